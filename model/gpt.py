@@ -1,0 +1,223 @@
+"""GPT-2, as in the paper and Hugging Face's `GPT2LMHeadModel`, in one readable file.
+
+Module names follow the GPT-2 checkpoint (`wte`, `c_attn`, `c_proj`, ...) so that importing
+Hugging Face weights is a straight copy. Attention goes through
+`F.scaled_dot_product_attention`, which picks a flash/memory-efficient kernel when it can.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024  # the longest sequence the position embedding covers
+    vocab_size: int = 50257  # real tokens; the embedding is padded beyond this for speed
+    pad_vocab_to: int = 64  # embedding rows are rounded up to a multiple of this (50257 -> 50304)
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / self.pad_vocab_to) * self.pad_vocab_to
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied input/output embeddings
+        # The padding rows must never be predicted nor share probability mass: a -inf bias on
+        # their logits. As the bias of the head's matmul it rides in the GEMM epilogue for free.
+        pad_mask = torch.zeros(config.padded_vocab_size)
+        pad_mask[config.vocab_size :] = float("-inf")
+        self.register_buffer("vocab_pad_mask", pad_mask, persistent=False)
+        self.apply(self._init_weights)
+        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) at init.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns logits over the real vocabulary (B, T, vocab_size) and, given targets,
+        the mean cross-entropy loss."""
+        B, T = idx.shape
+        if self.config.block_size < T:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = F.linear(x, self.lm_head.weight, self.vocab_pad_mask.to(x.dtype))
+        loss = None
+        if targets is not None:
+            # In float32 whatever the compute dtype (autocast would upcast it too).
+            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
+        return logits[..., : self.config.vocab_size], loss
+
+    def num_params(self, exclude_positions: bool = True) -> int:
+        """Parameters, the tied embedding counted once. The position table is a lookup with no
+        matmul, so it is left out by default (as in the FLOP count)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_positions:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: 6N for the weight matmuls (forward + backward) plus
+        12·L·H·Q·T for attention scores and values (PaLM, appendix B)."""
+        c = self.config
+        T = seq_len or c.block_size
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * T
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Samples `max_new_tokens` tokens after the prompt `idx` (B, T)."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size :]
+            logits, _ = self(context)
+            logits = logits[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits[logits < kth] = float("-inf")
+            probs = F.softmax(logits, dim=-1)
+            next_token = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str | Path, **overrides: float) -> GPT:
+        """Loads Hugging Face GPT-2 weights from a hub name (`gpt2`, `gpt2-medium`, ...; needs
+        the network) or a local directory written by `save_pretrained`. `overrides` may set
+        `dropout`."""
+        from transformers import GPT2LMHeadModel
+
+        try:
+            hf = GPT2LMHeadModel.from_pretrained(str(name_or_dir))
+        except OSError as e:
+            raise RuntimeError(
+                f"could not load GPT-2 weights from {name_or_dir!r}: it is neither a directory "
+                "written by `save_pretrained` nor a hub model reachable from here (offline?). "
+                "Save the model on a machine with network access and pass its directory."
+            ) from e
+        hc = hf.config
+        config = GPTConfig(
+            n_layer=hc.n_layer,
+            n_head=hc.n_head,
+            n_embd=hc.n_embd,
+            block_size=hc.n_positions,
+            vocab_size=hc.vocab_size,
+            **overrides,
+        )
+        model = cls(config)
+        ours = model.state_dict()
+        theirs = hf.state_dict()
+        # Hugging Face stores these as Conv1D, i.e. transposed relative to nn.Linear.
+        transposed = (
+            "attn.c_attn.weight",
+            "attn.c_proj.weight",
+            "mlp.c_fc.weight",
+            "mlp.c_proj.weight",
+        )
+        with torch.no_grad():
+            for name, param in ours.items():
+                if name == "lm_head.weight":
+                    continue  # tied to transformer.wte.weight
+                src = theirs[name]
+                if name.endswith(transposed):
+                    src = src.t()
+                if name == "transformer.wte.weight":
+                    param[: src.shape[0]].copy_(src)  # the padding rows stay as initialised
+                else:
+                    param.copy_(src)
+        return model
