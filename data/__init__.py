@@ -1,0 +1,137 @@
+"""The data pipeline: corpus -> (prepared files) -> windows dataset -> DataLoader -> device.
+
+prepare(cfg.data)                          # once, on the main rank: tokens + text on disk
+datasets = load_splits(cfg.data, block_size=T, seed=s)
+loader = build_loader(datasets["train"], batch_size, rank=r, world_size=W, seed=s, options=o)
+for inputs, targets in DeviceBatches(loader, device, o.non_blocking): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import DataLoader, Dataset
+
+from data.prepare import SPLITS, cache_folder, prepare, read_meta
+from data.sampler import StepSampler
+from data.windows import RandomTokens, TextWindows, TokenWindows
+
+LOADERS = ("memmap", "text")
+__all__ = [
+    "DeviceBatches",
+    "LoaderOptions",
+    "StepSampler",
+    "build_loader",
+    "load_splits",
+    "prepare",
+]
+
+
+@dataclass
+class LoaderOptions:
+    """How batches reach the model. The baseline is the simplest: no workers, pageable memory,
+    blocking copies. The `workers` and `non_blocking` stages change these."""
+
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    pin_memory: bool = False
+    non_blocking: bool = False
+
+
+def load_splits(cfg: DictConfig, *, block_size: int, seed: int) -> dict[str, Dataset]:
+    """The train and val window datasets of a prepared corpus."""
+    if cfg.source == "synthetic":
+        return {s: RandomTokens(block_size, seed + n, cfg.vocab_size) for n, s in enumerate(SPLITS)}
+    if cfg.loader not in LOADERS:
+        raise ValueError(f"data.loader={cfg.loader!r}: choose one of {', '.join(LOADERS)}")
+    folder = cache_folder(cfg)
+    splits: dict[str, Dataset] = {}
+    for split in SPLITS:
+        if cfg.loader == "memmap":
+            counts = read_meta(folder, split, "bin")
+            splits[split] = TokenWindows(
+                folder / f"{split}.bin", block_size, seed, counts["tokens"]
+            )
+        else:
+            counts = read_meta(folder, split, "txt")
+            splits[split] = TextWindows(
+                folder / f"{split}.txt",
+                block_size,
+                seed,
+                counts["bytes"],
+                bytes_per_token=counts["bytes"] / counts["tokens"],
+                preprocess_cfg=cfg.preprocess,
+            )
+    return splits
+
+
+def build_loader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    options: LoaderOptions,
+    start_step: int = 0,
+    num_steps: int | None = None,
+) -> DataLoader:
+    """A DataLoader yielding this rank's (batch_size, block_size + 1) batch for each step."""
+    sampler = StepSampler(
+        len(dataset),
+        batch_size,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        start_step=start_step,
+        num_steps=num_steps,
+    )
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=options.num_workers,
+        prefetch_factor=options.prefetch_factor if options.num_workers else None,
+        persistent_workers=options.num_workers > 0,
+        pin_memory=options.pin_memory,
+    )
+
+
+class DeviceBatches:
+    """The loader's batches on `device`, as (inputs, targets).
+
+    Blocking (the baseline): each batch is copied when needed, from pageable memory. Such a copy
+    waits until the GPU has drained its queue, so the CPU and the GPU take turns.
+    Non-blocking: batches arrive pinned, and the next one is copied on a side stream while the
+    current step computes; the compute stream waits only for that copy, never the CPU.
+    """
+
+    def __init__(self, loader: DataLoader, device: torch.device, non_blocking: bool) -> None:
+        self.batches = iter(loader)
+        self.device, self.non_blocking = device, non_blocking
+        cuda = non_blocking and device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        self.ready = self._copy(next(self.batches)) if non_blocking else None
+
+    def _copy(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.copy_stream is None:
+            return batch.to(self.device, non_blocking=self.non_blocking)
+        with torch.cuda.stream(self.copy_stream):
+            return batch.to(self.device, non_blocking=True)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.non_blocking:
+            batch = self._copy(next(self.batches))
+        else:
+            batch = self.ready
+            if self.copy_stream is not None:
+                compute_stream = torch.cuda.current_stream(self.device)
+                compute_stream.wait_stream(self.copy_stream)
+                batch.record_stream(compute_stream)  # keep its memory until the step is done
+            self.ready = self._copy(next(self.batches))
+        return batch[:, :-1], batch[:, 1:]

