@@ -1,0 +1,147 @@
+"""The optimization stages. Each `conf/opt/<name>.yaml` is switched on with `+opt=<name>` and
+applied by one small function in `opt/<module>.py`; this file applies them all, in one fixed
+order, whatever order they were listed in:
+
+    batch     bs -> accum                    the step's batch, then its micro-batches
+    input     workers -> non_blocking        how batches reach the GPU
+    numerics  tf32 -> amp                    the precision the step runs in
+    optimizer forloop | foreach | fused      AdamW's implementation
+    model     ac -> compile -> ddp | fsdp    checkpointing is applied first so that compile
+                                             traces the recomputation; compile works on the
+                                             plain module, before the data-parallel wrappers
+                                             hook into its parameters and gradients.
+
+To add a stage: a yaml file with its knobs nested under its own name, a module with its
+`apply_*` function, its name in ORDER, and its call below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig
+
+from data import LoaderOptions
+from opt.ac import apply_ac
+from opt.accum import apply_accum, gradient_sync
+from opt.amp import apply_amp
+from opt.bs import apply_bs
+from opt.compile import apply_compile
+from opt.ddp import apply_ddp
+from opt.fsdp import apply_fsdp
+from opt.non_blocking import apply_non_blocking
+from opt.optimizer_impl import IMPLEMENTATIONS, apply_optimizer_impl
+from opt.tf32 import apply_tf32
+from opt.workers import apply_workers
+from recipe.distributed import Distributed
+
+ORDER = (
+    "bs", "accum",
+    "workers", "non_blocking",
+    "tf32", "amp",
+    *IMPLEMENTATIONS,
+    "ac", "compile", "ddp", "fsdp",
+)  # fmt: skip
+
+__all__ = ["ORDER", "Plan", "apply_model_stages", "gradient_sync", "plan"]
+
+
+@dataclass
+class Plan:
+    """What the selected stages decided, for the trainer to read."""
+
+    stages: list[str]  # the selected stages, in the order they are applied
+    batch_size: int  # sequences per optimizer step per rank
+    micro_steps: int = 1  # gradient-accumulation micro-steps per optimizer step
+    loader: LoaderOptions = field(default_factory=LoaderOptions)
+    autocast_dtype: torch.dtype | None = None  # None: no autocast (fp32, or FSDP's own policy)
+    amp_dtype: torch.dtype | None = None  # the amp stage's dtype, however it is applied
+    grad_scaler: bool = False  # float16: scale the loss so small gradients survive
+    optimizer_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.micro_steps
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+
+def selected(opt_cfg: DictConfig) -> list[str]:
+    """The stages in `cfg.opt`, in application order; unknown names are refused."""
+    unknown = [name for name in opt_cfg if name not in ORDER]
+    if unknown:
+        raise ValueError(
+            f"unknown optimization stage(s) {unknown} in cfg.opt: the code applies only "
+            f"{', '.join(ORDER)} (see opt/__init__.py to add one)"
+        )
+    return [name for name in ORDER if name in opt_cfg]
+
+
+def check(stages: list[str], cfg: DictConfig, dist: Distributed) -> None:
+    """Refuses conflicting stages before any work starts, naming both sides."""
+    impls = [s for s in stages if s in IMPLEMENTATIONS]
+    if len(impls) > 1:
+        raise ValueError(
+            f"+opt={impls[0]} and +opt={impls[1]} both choose AdamW's implementation: pick one"
+        )
+    if "ddp" in stages and "fsdp" in stages:
+        raise ValueError("+opt=ddp and +opt=fsdp are two ways to spread training: pick one")
+    if "fsdp" in stages and not dist.enabled:
+        raise ValueError(
+            "+opt=fsdp shards the model over processes, but this is a single process: launch "
+            "with `torchrun --nproc_per_node=N train.py ...` (N >= 2)"
+        )
+    if "ddp" in stages and not dist.enabled:
+        warnings.warn(
+            "+opt=ddp has no effect in a single process: launch with torchrun to use it",
+            stacklevel=2,
+        )
+
+
+def plan(cfg: DictConfig, dist: Distributed) -> Plan:
+    """Validates the selected stages together and applies the ones that shape the batch, the
+    input pipeline, the numerics and the optimizer. Model stages: `apply_model_stages`."""
+    stages = selected(cfg.opt)
+    check(stages, cfg, dist)
+    opt, device = cfg.opt, dist.device
+    p = Plan(stages=stages, batch_size=cfg.train.batch_size)
+    if "bs" in stages:
+        p.batch_size = apply_bs(opt.bs)
+    if "accum" in stages:
+        p.micro_steps = apply_accum(p.batch_size, opt.accum)
+    if "workers" in stages:
+        p.loader = apply_workers(p.loader, opt.workers)
+    if "non_blocking" in stages:
+        p.loader = apply_non_blocking(p.loader, device)
+    apply_tf32("tf32" in stages)  # sets (or resets) the global matmul precision
+    if "amp" in stages:
+        p.amp_dtype, p.grad_scaler = apply_amp(opt.amp, device)
+        p.autocast_dtype = None if "fsdp" in stages else p.amp_dtype  # FSDP casts parameters itself
+    for impl in IMPLEMENTATIONS:
+        if impl in stages:
+            p.optimizer_kwargs = apply_optimizer_impl(impl, device)
+    return p
+
+
+def apply_model_stages(
+    model: torch.nn.Module, opt: DictConfig, p: Plan, dist: Distributed
+) -> torch.nn.Module:
+    """Applies the model stages in their fixed order; returns the module to train with.
+
+    `model` itself stays the plain module (changed in place), for checkpoints and sampling.
+    A multi-process run without +opt=fsdp uses DDP with PyTorch's defaults."""
+    if "ac" in p.stages:
+        apply_ac(model, opt.ac)
+    if "compile" in p.stages:
+        apply_compile(model, opt.compile)
+    if "fsdp" in p.stages:
+        return apply_fsdp(model, opt.fsdp, dist, p.amp_dtype)
+    if dist.enabled:
+        return apply_ddp(model, opt.get("ddp", {}), dist)
+    return model

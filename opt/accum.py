@@ -1,0 +1,32 @@
+"""`+opt=accum`: gradient accumulation. The step's batch is split into micro-batches whose
+gradients add up before one optimizer step: the same effective batch, with the activation memory
+of one micro-batch. Under DDP/FSDP the gradient all-reduce runs only on the last micro-step."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from omegaconf import DictConfig
+from torch.nn.parallel import DistributedDataParallel
+
+
+def apply_accum(batch_size: int, cfg: DictConfig) -> int:
+    """The number of micro-steps per optimizer step."""
+    if cfg.steps < 1 or batch_size % cfg.steps:
+        raise ValueError(
+            f"opt.accum.steps={cfg.steps} must divide the batch size {batch_size} "
+            "(train.batch_size, or opt.bs.batch_size with +opt=bs)"
+        )
+    print(f"[opt] accum: {cfg.steps} micro-batches of {batch_size // cfg.steps} per step")
+    return cfg.steps
+
+
+def gradient_sync(model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Skips the gradient all-reduce of a non-final micro-step (DDP's `no_sync`, FSDP2's
+    `set_requires_gradient_sync`); a no-op for a single process."""
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()

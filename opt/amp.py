@@ -1,0 +1,28 @@
+"""`+opt=amp`: automatic mixed precision. Matmuls run in float16 or bfloat16 while weights,
+reductions and the loss stay in float32. float16's narrow range needs a GradScaler: the loss is
+multiplied up before backward, gradients are unscaled before clipping, and a step whose
+gradients overflowed is skipped (the scale then shrinks)."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def apply_amp(cfg: DictConfig, device: torch.device) -> tuple[torch.dtype, bool]:
+    """Returns the compute dtype and whether the loss must be scaled."""
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"opt.amp.dtype={cfg.dtype!r}: choose float16 or bfloat16")
+    dtype = DTYPES[cfg.dtype]
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"+opt=amp with dtype=bfloat16, but {torch.cuda.get_device_name(device)} has no "
+            "bfloat16 support: use opt.amp.dtype=float16"
+        )
+    if not torch.amp.autocast_mode.is_autocast_available(device.type):
+        raise ValueError(f"+opt=amp: autocast is not available on device type {device.type!r}")
+    scaled = dtype == torch.float16
+    print(f"[opt] amp: {cfg.dtype} autocast{', with a GradScaler' if scaled else ''}")
+    return dtype, scaled
