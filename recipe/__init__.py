@@ -1,0 +1,1 @@
+"""The trainer's plumbing: processes and devices, metrics, checkpoints, the LR schedule."""

@@ -1,0 +1,35 @@
+"""What the GPU can do: its dense bf16/fp16 tensor-core peak, for model FLOPs utilisation."""
+
+from __future__ import annotations
+
+import torch
+
+# Dense (no 2:4 sparsity) bf16/fp16 tensor-core peaks from the vendors' datasheets, TFLOP/s.
+# Matched as substrings of torch.cuda.get_device_name(), most specific first.
+PEAK_TFLOPS = (
+    ("GH200", 989.4),
+    ("H200", 989.4),
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),  # SXM
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.1),
+    ("L4", 121.0),
+    ("RTX 4090", 165.2),
+    ("V100", 125.0),
+)
+
+
+def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
+    """The device's peak in FLOP/s: the override if given, else the table; None on a CPU or an
+    unlisted GPU (MFU is then not reported; set perf.peak_tflops)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS:
+        if key in name:
+            return tflops * 1e12
+    return None

@@ -1,0 +1,229 @@
+"""Train GPT-2. Reads top to bottom: setup, data, model and stages, optimizer, the loop
+(forward, backward, clip, step; log, evaluate, checkpoint), then a final save and samples.
+
+    python train.py                                   # tiny model on the bundled plays
+    python train.py model=gpt2 +opt=[amp,compile]     # GPT-2 124M, mixed precision, compiled
+    torchrun --nproc_per_node=4 train.py model=gpt2-large +opt=[fsdp,amp]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
+
+import data
+import opt
+from data.tokenizer import gpt2_encoding
+from model import GPT, GPTConfig
+from recipe import checkpoint, distributed
+from recipe.hardware import peak_flops
+from recipe.metrics import MetricLogger, StepTimer, memory_gib, summarize, throughput
+from recipe.schedule import learning_rate
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def build_model(cfg: DictConfig) -> GPT:
+    """A GPT-2 from a preset, or from Hugging Face weights (`model.pretrained`)."""
+    if cfg.pretrained is None:
+        fields = {f.name for f in dataclasses.fields(GPTConfig)}
+        return GPT(GPTConfig(**{k: v for k, v in cfg.items() if k in fields}))
+    model = GPT.from_pretrained(cfg.pretrained, dropout=cfg.dropout)
+    positions = model.config.block_size
+    if cfg.block_size > positions:
+        raise ValueError(
+            f"model.block_size={cfg.block_size} exceeds the {positions} positions of "
+            f"{cfg.pretrained}: use model.block_size<={positions}"
+        )
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, cfg: DictConfig, impl: dict) -> torch.optim.AdamW:
+    """AdamW with weight decay on the 2-D weights (matmuls, embeddings) only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    val_loader: torch.utils.data.DataLoader,
+    plan: opt.Plan,
+    dist: distributed.Distributed,
+) -> float:
+    """The mean validation loss over `train.eval_batches` batches, averaged over all ranks."""
+    model.eval()
+    losses = []
+    for inputs, targets in data.DeviceBatches(val_loader, dist.device, plan.loader.non_blocking):
+        with plan.autocast(dist.device):
+            losses.append(model(inputs, targets)[1])
+    model.train()
+    return dist.mean(torch.stack(losses).mean()).item()
+
+
+def sample(model: GPT, cfg: DictConfig, plan: opt.Plan, device: torch.device) -> list[str]:
+    """A few continuations of `sample.prompt` (every rank samples: FSDP needs them all)."""
+    encoding = gpt2_encoding()
+    prompt = encoding.encode(cfg.prompt, allowed_special="all")
+    idx = torch.tensor([prompt] * cfg.num_samples, device=device)
+    generator = torch.Generator(device).manual_seed(0)
+    model.eval()
+    with torch.compiler.set_stance("force_eager"), plan.autocast(device):
+        out = model.generate(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, generator)
+    return [encoding.decode(row[len(prompt) :].tolist()) for row in out]
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Runs one training job; returns its summary (also written to `summary.json`)."""
+    # ---- setup: processes, stages (checked before any work), seed, the checkpoint to resume
+    dist = distributed.init(cfg.device)
+    plan = opt.plan(cfg, dist)
+    torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
+    resumed = checkpoint.read(run_dir) if cfg.train.resume else None
+    start_step = resumed["step"] if resumed else 0
+    max_steps, log_interval = cfg.train.max_steps, cfg.train.log_interval
+
+    # ---- data: prepared once by rank 0; each rank reads its slice of every global batch
+    if dist.is_main:
+        data.prepare(cfg.data)
+    dist.barrier()
+    splits = data.load_splits(cfg.data, block_size=cfg.model.block_size, seed=cfg.train.seed)
+    loader_args = dict(
+        rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed, options=plan.loader
+    )
+    train_loader = data.build_loader(
+        splits["train"], plan.batch_size, start_step=start_step, **loader_args
+    )
+    val_loader = data.build_loader(
+        splits["val"], plan.micro_batch_size, num_steps=cfg.train.eval_batches, **loader_args
+    )
+    batches = data.DeviceBatches(train_loader, dist.device, plan.loader.non_blocking)
+
+    # ---- model, then the model stages in their fixed order (AC -> compile -> DDP/FSDP)
+    model = build_model(cfg.model).to(dist.device)
+    train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
+
+    # ---- optimizer and loss scaler (a no-op unless amp runs in float16)
+    optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs)
+    scaler = torch.amp.GradScaler(dist.device.type, enabled=plan.grad_scaler)
+    if resumed:
+        checkpoint.restore(resumed, model, optimizer, scaler)
+        del resumed
+
+    tokens_per_step = plan.batch_size * dist.world_size * cfg.model.block_size
+    perf_args = dict(
+        tokens_per_step=tokens_per_step,
+        flops_per_token=model.flops_per_token(cfg.model.block_size),
+        peak_flops=peak_flops(dist.device, cfg.perf.peak_tflops),
+        world_size=dist.world_size,
+    )
+    run_name = cfg.wandb.name or f"{cfg.model.name}-{'+'.join(plan.stages) or 'baseline'}"
+    logger = MetricLogger(
+        run_dir, enabled=dist.is_main, max_steps=max_steps, wandb_mode=cfg.wandb.mode,
+        wandb_project=cfg.wandb.project, wandb_group=cfg.wandb.group, run_name=run_name,
+        config={**OmegaConf.to_container(cfg, resolve=True), "stages": plan.stages,
+                "world_size": dist.world_size, "tokens_per_step": tokens_per_step},
+        resume=start_step > 0,
+    )  # fmt: skip
+    if dist.is_main:
+        print(
+            f"[train] {run_name}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "
+            f"parameters on {dist.world_size} x {dist.device.type}, {tokens_per_step:,} tokens "
+            f"per step, steps {start_step}..{max_steps}, run folder {run_dir}",
+            flush=True,
+        )
+
+    # ---- the loop. Nothing in it waits for the GPU except at log, eval and checkpoint steps.
+    timer = StepTimer(dist.device)
+    loss_sum = torch.zeros((), device=dist.device)  # summed on the device: no .item() per step
+    window_micro_steps, step_ms_measured = 0, []
+    measure_from = start_step + cfg.perf.warmup_steps  # the first step the summary times
+    step = start_step
+    if step == 0:
+        logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
+    with checkpoint.StopSignal() as stop:
+        timer.start()
+        while step < max_steps:
+            lr = learning_rate(
+                step, lr=cfg.train.lr, min_lr=cfg.train.min_lr,
+                warmup_steps=cfg.train.warmup_steps, max_steps=max_steps,
+            )  # fmt: skip
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            inputs, targets = next(batches)
+            micro_batches = zip(
+                inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
+            )
+            for micro_step, (x, y) in enumerate(micro_batches):
+                with opt.gradient_sync(train_model, micro_step == plan.micro_steps - 1):
+                    with plan.autocast(dist.device):
+                        _, loss = train_model(x, y)
+                    scaler.scale(loss / plan.micro_steps).backward()
+                loss_sum += loss.detach()
+            scaler.unscale_(optimizer)  # clip the true gradients
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            scaler.step(optimizer)  # skipped if float16 gradients overflowed
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            timer.step()
+            window_micro_steps += plan.micro_steps
+            step += 1
+
+            if step % log_interval == 0 or step == max_steps:
+                step_ms = timer.read_ms()  # waits for the GPU to finish the logged steps
+                window_start = step - len(step_ms)
+                step_ms_measured += step_ms[max(0, measure_from - window_start) :]
+                if isinstance(grad_norm, DTensor):
+                    grad_norm = grad_norm.full_tensor()
+                logger.log(
+                    {
+                        "train/loss": dist.mean(loss_sum / window_micro_steps).item(),
+                        "train/lr": lr,
+                        "train/grad_norm": grad_norm.item(),
+                        **throughput(step_ms, **perf_args),
+                        **memory_gib(dist.device),
+                    },
+                    step,
+                )
+                loss_sum.zero_()
+                window_micro_steps = 0
+                timer.start()
+            if step % cfg.train.eval_interval == 0 or step == max_steps:
+                logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
+                timer.start()
+            stopping = dist.any(stop.requested)
+            if step % cfg.train.checkpoint_interval == 0 or step == max_steps or stopping:
+                checkpoint.save(run_dir, dist, model, optimizer, scaler, step)
+                timer.start()
+            if stopping:
+                break
+
+    # ---- summary and samples
+    summary: dict[str, Any] = {"step": step, "stages": plan.stages, "completed": step == max_steps}
+    if step_ms_measured:
+        summary |= summarize(step_ms_measured, **perf_args) | memory_gib(dist.device)
+    if step == max_steps and cfg.sample.num_samples:
+        for text in sample(model, cfg.sample, plan, dist.device):
+            if dist.is_main:
+                print(f"[sample] {cfg.sample.prompt}{text}\n---", flush=True)
+    summary = logger.finish(summary, run_dir)
+    distributed.shutdown()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
