@@ -1,0 +1,22 @@
+.PHONY: install test test-fast lint format train
+
+install:  ## torch first (a CPU wheel here; pick your CUDA build on a GPU machine), then the project
+	pip install torch==2.13.0
+	pip install -e ".[dev]"
+
+test:  ## the whole suite (what CI runs)
+	pytest -q
+
+test-fast:  ## skip the slow and multi-process tests
+	pytest -q -m "not slow and not distributed"
+
+lint:
+	ruff check .
+	ruff format --check .
+
+format:
+	ruff format .
+	ruff check --fix .
+
+train:  ## the default run: tiny model on the bundled plays
+	python train.py

@@ -1,0 +1,160 @@
+"""End-to-end CPU runs: metrics in all three places, checkpoints, exact resume, preemption."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, python, tiny_cfg
+from model import GPT, GPTConfig
+from recipe import checkpoint
+from recipe.distributed import Distributed
+from train import train
+from wandb_offline import read_run
+
+TRAIN_METRICS = {
+    "step", "train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu",
+    "perf/step_ms", "mem/peak_allocated_gib", "mem/peak_reserved_gib",
+}  # fmt: skip
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_short_run_logs_everywhere_and_saves(tmp_path, capsys) -> None:
+    summary = train(
+        tiny_cfg("train.max_steps=6", "train.log_interval=2", "train.eval_interval=3"), tmp_path
+    )
+    rows = _rows(tmp_path)
+    logged = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in logged] == [2, 4, 6]
+    assert all(set(r) == TRAIN_METRICS for r in logged)
+    assert all(r["perf/tokens_per_sec"] > 0 and r["train/grad_norm"] > 0 for r in logged)
+    assert logged[0]["perf/mfu"] is None and logged[0]["mem/peak_allocated_gib"] is None  # CPU
+    val = {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
+    assert list(val) == [0, 3, 6] and val[6] < val[0]
+
+    run = read_run(tmp_path)  # the offline wandb run holds the same numbers
+    assert run["name"] == "tiny-baseline"
+    assert run["config"]["train"]["max_steps"] == 6 and run["config"]["stages"] == []
+    history = {h["_step"]: h for h in run["history"]}
+    for r in rows:
+        for key, value in r.items():
+            assert history[r["step"]][key if key != "step" else "_step"] == value
+
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 6 and "transformer.wte.weight" in state["model"]
+    assert summary["completed"] and summary["val/loss"] == val[6]
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 6
+    assert "[sample]" in capsys.readouterr().out
+
+
+def _stop_after(steps: int) -> type[checkpoint.StopSignal]:
+    """A stand-in for SIGTERM arriving during step `steps` (the loop reads the flag once a step)."""
+
+    class StopAfter(checkpoint.StopSignal):
+        reads = 0
+
+        @property
+        def requested(self) -> bool:
+            StopAfter.reads += 1
+            return StopAfter.reads >= steps
+
+        @requested.setter
+        def requested(self, value: bool) -> None:
+            pass
+
+    return StopAfter
+
+
+def test_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path, monkeypatch) -> None:
+    args = (
+        "train.max_steps=8", "train.log_interval=1", "train.eval_interval=4",
+        "sample.num_samples=0", "wandb.mode=disabled",
+    )  # fmt: skip
+    train(tiny_cfg(*args), tmp_path / "straight")
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "StopSignal", _stop_after(5))
+        stopped = train(tiny_cfg(*args), tmp_path / "resumed")
+    assert stopped["step"] == 5 and not stopped["completed"]
+    train(tiny_cfg(*args, "train.resume=true"), tmp_path / "resumed")
+
+    def losses(run: str) -> list:
+        keys = ("train/loss", "train/grad_norm", "val/loss")
+        return [(r["step"], [r.get(k) for k in keys]) for r in _rows(tmp_path / run)]
+
+    assert losses("resumed") == losses("straight")  # bit for bit, steps 1..8
+
+
+def test_a_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> None:
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16))
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    dist = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    checkpoint.save(tmp_path, dist, model, optimizer, scaler, step=1)
+    good = (tmp_path / "checkpoint.pt").read_bytes()
+
+    def killed_midway(obj, f, *args, **kwargs) -> None:
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, dist, model, optimizer, scaler, step=2)
+    assert (tmp_path / "checkpoint.pt").read_bytes() == good
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+    assert checkpoint.read(tmp_path)["step"] == 1
+
+
+def test_resume_without_a_checkpoint_says_what_to_do(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*Point hydra.run.dir"):
+        train(tiny_cfg("train.resume=true"), tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without GPU")
+def test_device_cuda_without_a_gpu_fails_before_any_work(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="device=cuda, but no CUDA GPU is visible.*device=auto"):
+        train(tiny_cfg("device=cuda"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def _launch(run_dir, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [python(), "train.py", *TINY, f"hydra.run.dir={run_dir}", *overrides],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_cli_trains_and_writes_the_run_folder(tmp_path) -> None:
+    proc = _launch(tmp_path, "train.max_steps=3", "train.log_interval=1")
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out
+    assert {"metrics.jsonl", "checkpoint.pt", "summary.json", "wandb"} <= {
+        p.name for p in tmp_path.iterdir()
+    }
+    assert "[sample]" in out and "step      3/3" in out
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path) -> None:
+    proc = _launch(
+        tmp_path, "train.max_steps=100000", "train.log_interval=1", "wandb.mode=disabled"
+    )
+    lines = []
+    deadline = time.time() + 120
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step      2/") or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(lines) + proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
+    assert "SIGTERM: saving a checkpoint after this step" in out
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert 2 <= state["step"] < 100000
+    assert json.loads((tmp_path / "summary.json").read_text())["completed"] is False
