@@ -58,6 +58,37 @@ def build_optimizer(model: torch.nn.Module, cfg: DictConfig, impl: dict) -> torc
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
 
 
+def train_step(
+    train_model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    plan: opt.Plan,
+    grad_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on this rank's batch: forward and backward per micro-batch (gradients
+    add up; DDP/FSDP reduce them after the last one only), unscale, clip, step. Returns the sum
+    of the micro-batch losses and the gradient norm, both left on the device (no sync)."""
+    losses = torch.zeros((), device=inputs.device)
+    micro_batches = zip(
+        inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
+    )
+    for micro_step, (x, y) in enumerate(micro_batches):
+        with opt.gradient_sync(train_model, micro_step == plan.micro_steps - 1):
+            with plan.autocast(inputs.device):
+                _, loss = train_model(x, y)
+            scaler.scale(loss / plan.micro_steps).backward()
+        losses += loss.detach()
+    scaler.unscale_(optimizer)  # clip the true gradients
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    scaler.step(optimizer)  # skipped if float16 gradients overflowed
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return losses, grad_norm
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -65,14 +96,15 @@ def evaluate(
     plan: opt.Plan,
     dist: distributed.Distributed,
 ) -> float:
-    """The mean validation loss over `train.eval_batches` batches, averaged over all ranks."""
+    """The mean loss over the fixed validation set (`train.eval_sequences`, over all ranks)."""
     model.eval()
-    losses = []
+    total, count = torch.zeros((), device=dist.device), 0
     for inputs, targets in data.DeviceBatches(val_loader, dist.device, plan.loader.non_blocking):
         with plan.autocast(dist.device):
-            losses.append(model(inputs, targets)[1])
+            total += model(inputs, targets)[1] * len(inputs)
+        count += len(inputs)
     model.train()
-    return dist.mean(torch.stack(losses).mean()).item()
+    return dist.mean(total / count).item()  # every rank holds the same number of sequences
 
 
 def sample(model: GPT, cfg: DictConfig, plan: opt.Plan, device: torch.device) -> list[str]:
@@ -108,8 +140,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     train_loader = data.build_loader(
         splits["train"], plan.batch_size, start_step=start_step, **loader_args
     )
-    val_loader = data.build_loader(
-        splits["val"], plan.micro_batch_size, num_steps=cfg.train.eval_batches, **loader_args
+    val_loader = data.build_eval_loader(
+        splits["val"], cfg.train.eval_sequences, plan.micro_batch_size, **loader_args
     )
     batches = data.DeviceBatches(train_loader, dist.device, plan.loader.non_blocking)
 
@@ -119,7 +151,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     # ---- optimizer and loss scaler (a no-op unless amp runs in float16)
     optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs)
-    scaler = torch.amp.GradScaler(dist.device.type, enabled=plan.grad_scaler)
+    scaler = plan.grad_scaler(dist.device)
     if resumed:
         checkpoint.restore(resumed, model, optimizer, scaler)
         del resumed
@@ -165,20 +197,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             inputs, targets = next(batches)
-            micro_batches = zip(
-                inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
+            losses, grad_norm = train_step(
+                train_model, optimizer, scaler, inputs, targets, plan, cfg.train.grad_clip
             )
-            for micro_step, (x, y) in enumerate(micro_batches):
-                with opt.gradient_sync(train_model, micro_step == plan.micro_steps - 1):
-                    with plan.autocast(dist.device):
-                        _, loss = train_model(x, y)
-                    scaler.scale(loss / plan.micro_steps).backward()
-                loss_sum += loss.detach()
-            scaler.unscale_(optimizer)  # clip the true gradients
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            scaler.step(optimizer)  # skipped if float16 gradients overflowed
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            loss_sum += losses
             timer.step()
             window_micro_steps += plan.micro_steps
             step += 1

@@ -24,6 +24,7 @@ __all__ = [
     "DeviceBatches",
     "LoaderOptions",
     "StepSampler",
+    "build_eval_loader",
     "build_loader",
     "load_splits",
     "prepare",
@@ -99,6 +100,36 @@ def build_loader(
     )
 
 
+def build_eval_loader(
+    dataset: Dataset,
+    num_sequences: int,
+    batch_size: int,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    options: LoaderOptions,
+) -> DataLoader:
+    """A fixed validation set: the first `num_sequences` windows of the seeded order, the same
+    whatever the batch size, the stages or the number of ranks (so val/loss is comparable
+    across runs). Each rank evaluates every W-th one, all ranks the same number."""
+    num_sequences -= num_sequences % world_size
+    if num_sequences < 1:
+        raise ValueError(
+            f"train.eval_sequences must be at least the number of ranks ({world_size})"
+        )
+    ids = StepSampler(len(dataset), num_sequences, seed=seed).batch_ids(0)
+    return DataLoader(
+        dataset,
+        sampler=ids[rank::world_size],
+        batch_size=batch_size,
+        num_workers=options.num_workers,
+        prefetch_factor=options.prefetch_factor if options.num_workers else None,
+        persistent_workers=options.num_workers > 0,
+        pin_memory=options.pin_memory,
+    )
+
+
 class DeviceBatches:
     """The loader's batches on `device`, as (inputs, targets).
 
@@ -113,9 +144,11 @@ class DeviceBatches:
         self.device, self.non_blocking = device, non_blocking
         cuda = non_blocking and device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
-        self.ready = self._copy(next(self.batches)) if non_blocking else None
+        self.ready = self._copy(next(self.batches, None)) if non_blocking else None
 
-    def _copy(self, batch: torch.Tensor) -> torch.Tensor:
+    def _copy(self, batch: torch.Tensor | None) -> torch.Tensor | None:
+        if batch is None:  # the loader is exhausted (a finite validation loader)
+            return None
         if self.copy_stream is None:
             return batch.to(self.device, non_blocking=self.non_blocking)
         with torch.cuda.stream(self.copy_stream):
@@ -129,9 +162,11 @@ class DeviceBatches:
             batch = self._copy(next(self.batches))
         else:
             batch = self.ready
+            if batch is None:
+                raise StopIteration
             if self.copy_stream is not None:
                 compute_stream = torch.cuda.current_stream(self.device)
                 compute_stream.wait_stream(self.copy_stream)
                 batch.record_stream(compute_stream)  # keep its memory until the step is done
-            self.ready = self._copy(next(self.batches))
+            self.ready = self._copy(next(self.batches, None))
         return batch[:, :-1], batch[:, 1:]

@@ -23,7 +23,7 @@ CONF = ROOT / "conf"
 # A 2-layer, 32-wide GPT on 32-token windows: a training step takes ~50 ms on a CPU.
 TINY = [
     "model=tiny", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
-    "train.batch_size=4", "train.warmup_steps=2", "train.eval_batches=2",
+    "train.batch_size=4", "train.warmup_steps=2", "train.eval_sequences=8",
     "sample.num_samples=1", "sample.max_new_tokens=4", "wandb.mode=offline", "device=cpu",
 ]  # fmt: skip
 
