@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from data import LoaderOptions
 from opt.ac import apply_ac
@@ -59,12 +60,20 @@ class Plan:
     loader: LoaderOptions = field(default_factory=LoaderOptions)
     autocast_dtype: torch.dtype | None = None  # None: no autocast (fp32, or FSDP's own policy)
     amp_dtype: torch.dtype | None = None  # the amp stage's dtype, however it is applied
-    grad_scaler: bool = False  # float16: scale the loss so small gradients survive
+    scale_loss: bool = False  # float16: scale the loss so that small gradients survive
     optimizer_kwargs: dict = field(default_factory=dict)
 
     @property
     def micro_batch_size(self) -> int:
         return self.batch_size // self.micro_steps
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        """The loss scaler: a no-op unless float16. Under FSDP each rank checks only its own
+        gradient shards for overflow, so the ranks must agree on skipping a step: the
+        ShardedGradScaler all-reduces that verdict."""
+        if self.scale_loss and "fsdp" in self.stages:
+            return ShardedGradScaler(device.type)
+        return torch.amp.GradScaler(device.type, enabled=self.scale_loss)
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -121,7 +130,7 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
         p.loader = apply_non_blocking(p.loader, device)
     apply_tf32("tf32" in stages)  # sets (or resets) the global matmul precision
     if "amp" in stages:
-        p.amp_dtype, p.grad_scaler = apply_amp(opt.amp, device)
+        p.amp_dtype, p.scale_loss = apply_amp(opt.amp, device)
         p.autocast_dtype = None if "fsdp" in stages else p.amp_dtype  # FSDP casts parameters itself
     for impl in IMPLEMENTATIONS:
         if impl in stages:

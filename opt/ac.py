@@ -17,6 +17,8 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.checkpoint import checkpoint
 
+from recipe.distributed import log
+
 MODES = ("full", "selective")
 TARGETS = ("block", "attn", "mlp")
 
@@ -39,5 +41,5 @@ def apply_ac(model: torch.nn.Module, cfg: DictConfig) -> list[str]:
             checkpoint, region.forward, use_reentrant=cfg.use_reentrant
         )
         wrapped.append(f"transformer.h.{i}" + ("" if target == "block" else f".{target}"))
-    print(f"[opt] ac: {cfg.mode}, {len(wrapped)} of {len(model.transformer.h)} blocks ({target})")
+    log(f"[opt] ac: {cfg.mode}, {len(wrapped)} of {len(model.transformer.h)} blocks ({target})")
     return wrapped

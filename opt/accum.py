@@ -10,6 +10,8 @@ import torch
 from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
+from recipe.distributed import log
+
 
 def apply_accum(batch_size: int, cfg: DictConfig) -> int:
     """The number of micro-steps per optimizer step."""
@@ -18,7 +20,7 @@ def apply_accum(batch_size: int, cfg: DictConfig) -> int:
             f"opt.accum.steps={cfg.steps} must divide the batch size {batch_size} "
             "(train.batch_size, or opt.bs.batch_size with +opt=bs)"
         )
-    print(f"[opt] accum: {cfg.steps} micro-batches of {batch_size // cfg.steps} per step")
+    log(f"[opt] accum: {cfg.steps} micro-batches of {batch_size // cfg.steps} per step")
     return cfg.steps
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
+from recipe.distributed import log
+
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -24,5 +26,5 @@ def apply_amp(cfg: DictConfig, device: torch.device) -> tuple[torch.dtype, bool]
     if not torch.amp.autocast_mode.is_autocast_available(device.type):
         raise ValueError(f"+opt=amp: autocast is not available on device type {device.type!r}")
     scaled = dtype == torch.float16
-    print(f"[opt] amp: {cfg.dtype} autocast{', with a GradScaler' if scaled else ''}")
+    log(f"[opt] amp: {cfg.dtype} mixed precision{', with a GradScaler' if scaled else ''}")
     return dtype, scaled

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
+from recipe.distributed import log
+
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SCOPES = ("model", "block")
 
@@ -25,4 +27,4 @@ def apply_compile(model: torch.nn.Module, cfg: DictConfig) -> None:
     targets = [model] if cfg.scope == "model" else list(model.transformer.h)
     for module in targets:
         module.compile(mode=cfg.mode, fullgraph=cfg.fullgraph)
-    print(f"[opt] compile: mode={cfg.mode}, scope={cfg.scope}, fullgraph={cfg.fullgraph}")
+    log(f"[opt] compile: mode={cfg.mode}, scope={cfg.scope}, fullgraph={cfg.fullgraph}")

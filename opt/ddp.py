@@ -9,7 +9,7 @@ import torch
 from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from recipe.distributed import Distributed
+from recipe.distributed import Distributed, log
 
 
 def apply_ddp(model: torch.nn.Module, cfg: DictConfig | dict, dist: Distributed) -> torch.nn.Module:
@@ -17,5 +17,5 @@ def apply_ddp(model: torch.nn.Module, cfg: DictConfig | dict, dist: Distributed)
     ddp = DistributedDataParallel(
         model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None, **kwargs
     )
-    print(f"[opt] ddp: {dist.world_size} processes{', ' + str(kwargs) if kwargs else ''}")
+    log(f"[opt] ddp: {dist.world_size} processes{', ' + str(kwargs) if kwargs else ''}")
     return ddp

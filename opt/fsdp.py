@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from recipe.distributed import Distributed
+from recipe.distributed import Distributed, log
 
 
 def apply_fsdp(
@@ -30,7 +30,7 @@ def apply_fsdp(
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     # The root's parameters (embeddings, final norm) are needed again at once by the tied head.
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    print(
+    log(
         f"[opt] fsdp: {dist.world_size} shards, reshard_after_forward={cfg.reshard_after_forward}"
         f", cpu_offload={cfg.cpu_offload}, mixed precision={amp_dtype}"
     )

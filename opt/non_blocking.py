@@ -9,9 +9,10 @@ from dataclasses import replace
 import torch
 
 from data import LoaderOptions
+from recipe.distributed import log
 
 
 def apply_non_blocking(options: LoaderOptions, device: torch.device) -> LoaderOptions:
     pin = device.type == "cuda"  # page-locking helps only transfers to an accelerator
-    print(f"[opt] non_blocking: pinned batches {'on' if pin else 'off (CPU run)'}, async copies")
+    log(f"[opt] non_blocking: pinned batches {'on' if pin else 'off (CPU run)'}, async copies")
     return replace(options, pin_memory=pin, non_blocking=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from recipe.distributed import log
+
 IMPLEMENTATIONS = ("forloop", "foreach", "fused")
 
 
@@ -22,5 +24,5 @@ def apply_optimizer_impl(name: str, device: torch.device) -> dict:
         if device.type not in _get_fused_kernels_supported_devices():
             raise ValueError(f"+opt=fused: PyTorch has no fused AdamW for {device.type!r}")
     kwargs = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-    print(f"[opt] {name}: AdamW({', '.join(f'{k}={v}' for k, v in kwargs[name].items())})")
+    log(f"[opt] {name}: AdamW({', '.join(f'{k}={v}' for k, v in kwargs[name].items())})")
     return kwargs[name]

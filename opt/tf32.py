@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from recipe.distributed import log
+
 
 def apply_tf32(enabled: bool) -> None:
     """Sets the process-wide precision either way, so a previous run in the same process (a test,
@@ -12,4 +14,4 @@ def apply_tf32(enabled: bool) -> None:
     torch.set_float32_matmul_precision("high" if enabled else "highest")
     torch.backends.cudnn.allow_tf32 = enabled
     if enabled:
-        print("[opt] tf32: float32 matmuls on TF32 tensor cores")
+        log("[opt] tf32: float32 matmuls on TF32 tensor cores")

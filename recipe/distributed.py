@@ -11,6 +11,12 @@ import torch.distributed as dist
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def log(message: str) -> None:
+    """Prints on the main process only (RANK 0, or a single process)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
+
+
 def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
     """`auto` picks this process's GPU when there is one, else the CPU."""
     if choice not in DEVICES:
