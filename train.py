@@ -25,6 +25,7 @@ from model import GPT, GPTConfig
 from recipe import checkpoint, distributed
 from recipe.hardware import peak_flops
 from recipe.metrics import MetricLogger, StepTimer, memory_gib, summarize, throughput
+from recipe.profiling import Profiler
 from recipe.schedule import learning_rate
 
 
@@ -121,9 +122,10 @@ def sample(model: GPT, cfg: DictConfig, plan: opt.Plan, device: torch.device) ->
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Runs one training job; returns its summary (also written to `summary.json`)."""
-    # ---- setup: processes, stages (checked before any work), seed, the checkpoint to resume
+    # ---- setup: processes, stages (checked before any work), profiling, seed, the checkpoint
     dist = distributed.init(cfg.device)
     plan = opt.plan(cfg, dist)
+    profiler = Profiler(cfg.prof, run_dir, dist.device, enabled=dist.is_main)  # memory: from here
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     resumed = checkpoint.read(run_dir) if cfg.train.resume else None
     start_step = resumed["step"] if resumed else 0
@@ -146,7 +148,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     batches = data.DeviceBatches(train_loader, dist.device, plan.loader.non_blocking)
 
     # ---- model, then the model stages in their fixed order (AC -> compile -> DDP/FSDP)
-    model = build_model(cfg.model).to(dist.device)
+    with torch.device(dist.device):  # initialised in place: no host copy of the weights
+        model = build_model(cfg.model)
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
 
     # ---- optimizer and loss scaler (a no-op unless amp runs in float16)
@@ -202,6 +205,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             )
             loss_sum += losses
             timer.step()
+            profiler.step()
             window_micro_steps += plan.micro_steps
             step += 1
 
@@ -228,11 +232,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
                 timer.start()
             stopping = dist.any(stop.requested)
-            if step % cfg.train.checkpoint_interval == 0 or step == max_steps or stopping:
+            every = cfg.train.checkpoint_interval
+            if (every and (step % every == 0 or step == max_steps)) or stopping:
                 checkpoint.save(run_dir, dist, model, optimizer, scaler, step)
                 timer.start()
             if stopping:
                 break
+
+    profiler.close()
 
     # ---- summary and samples
     summary: dict[str, Any] = {"step": step, "stages": plan.stages, "completed": step == max_steps}

@@ -120,3 +120,11 @@ def test_ac_saves_gpu_memory(tmp_path) -> None:
                        "train.max_steps=2", "train.eval_sequences=8", *stages)  # fmt: skip
         peaks[name] = train(cfg, tmp_path / name)["mem/peak_allocated_gib"]
     assert peaks["ac"] < 0.8 * peaks["plain"], peaks
+
+
+def test_prof_memory_writes_a_snapshot(tmp_path) -> None:
+    import pickle
+
+    train(tiny_cfg(*GPU_ARGS, "train.max_steps=4", "+prof=memory", "prof.memory.steps=2"), tmp_path)
+    snapshot = pickle.loads((tmp_path / "memory_snapshot.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"]

@@ -158,3 +158,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path) -> None:
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert 2 <= state["step"] < 100000
     assert json.loads((tmp_path / "summary.json").read_text())["completed"] is False
+
+
+def test_prof_trace_writes_a_chrome_trace(tmp_path) -> None:
+    train(
+        tiny_cfg("train.max_steps=8", "wandb.mode=disabled", "+prof=trace", "prof.trace.wait=2"),
+        tmp_path,
+    )
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert any("ProfilerStep#" in name for name in names) and "aten::mm" in names
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without GPU")
+def test_prof_memory_needs_a_gpu(tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"\+prof=memory records CUDA allocations"):
+        train(tiny_cfg("train.max_steps=2", "wandb.mode=disabled", "+prof=memory"), tmp_path)

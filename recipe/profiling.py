@@ -1,0 +1,75 @@
+"""Optional per-run profiling, switched on with `+prof=trace` or `+prof=memory`:
+
+- trace: a PyTorch profiler trace of a few steps (CPU ops and CUDA kernels) written to
+  `<run>/trace.json`; open it in https://ui.perfetto.dev or chrome://tracing.
+- memory: a CUDA memory snapshot of the first steps (every allocation with its stack) written to
+  `<run>/memory_snapshot.pickle`; drop it on https://pytorch.org/memory_viz.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from recipe.distributed import log
+
+
+class Profiler:
+    """Call `step()` after every optimizer step and `close()` at the end; does nothing unless a
+    `prof` option is selected. Only rank 0 records."""
+
+    def __init__(
+        self, prof: DictConfig, run_dir: Path, device: torch.device, enabled: bool
+    ) -> None:
+        self.run_dir, self.steps = run_dir, 0
+        self.trace = self.memory = None
+        if not enabled:
+            return
+        if "trace" in prof:
+            cfg = prof.trace
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.trace = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(
+                    wait=cfg.wait, warmup=cfg.warmup, active=cfg.active
+                ),
+                on_trace_ready=self._save_trace,
+                record_shapes=cfg.record_shapes,
+                with_stack=cfg.with_stack,
+            )
+            self.trace.start()
+        if "memory" in prof:
+            if device.type != "cuda":
+                raise ValueError("+prof=memory records CUDA allocations: it needs device=cuda")
+            self.memory = prof.memory
+            torch.cuda.memory._record_memory_history(max_entries=prof.memory.max_entries)
+
+    def _save_trace(self, profiler: torch.profiler.profile) -> None:
+        path = self.run_dir / "trace.json"
+        profiler.export_chrome_trace(str(path))
+        log(f"[prof] trace of {profiler.step_num} steps: {path} (open in ui.perfetto.dev)")
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.trace is not None:
+            self.trace.step()
+        if self.memory is not None and self.steps == self.memory.steps:
+            self._save_memory()
+
+    def _save_memory(self) -> None:
+        path = self.run_dir / "memory_snapshot.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.memory = None
+        log(f"[prof] memory snapshot: {path} (drop it on pytorch.org/memory_viz)")
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.stop()
+            self.trace = None
+        if self.memory is not None:  # fewer steps ran than asked for: save what there is
+            self._save_memory()
