@@ -14,17 +14,18 @@ _SPACES = re.compile(r"[ \t]{2,}")
 
 
 def clean(text: str) -> str:
-    """Lower-cases and strips markup. Idempotent: running it again changes nothing but costs
-    the same CPU, which is what `repeat` dials."""
+    """Lower-cases and strips markup."""
     return _SPACES.sub(" ", _MARKUP.sub(" ", text.lower()))
 
 
 def preprocess(text: str, cfg: DictConfig, rng: np.random.Generator) -> str:
-    """Cleans `text` `cfg.repeat` times, then drops each word with probability `cfg.word_drop`
-    and swaps it with its right neighbour with probability `cfg.word_swap`."""
-    for _ in range(cfg.repeat):
-        text = clean(text)
-    words = text.split(" ")
+    """Cleans `text`, then drops each word with probability `cfg.word_drop` and swaps it with
+    its right neighbour with probability `cfg.word_swap`. The cleaning runs `cfg.repeat` times
+    on the raw text, the same work each time: a dial for the CPU cost per sample."""
+    cleaned = text
+    for _ in range(max(1, cfg.repeat)):
+        cleaned = clean(text)
+    words = cleaned.split(" ")
     keep = rng.random(len(words)) >= cfg.word_drop
     words = [w for w, k in zip(words, keep, strict=True) if k]
     for i in np.flatnonzero(rng.random(len(words)) < cfg.word_swap):
