@@ -1,0 +1,325 @@
+"""Runs an ablation ladder and publishes its results: one command per ladder.
+
+    python scripts/ablate.py ladder=speed           # the book's speed ladder, then beyond
+    python scripts/ablate.py ladder=memory          # the book's memory ladder
+    python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
+    python scripts/ablate.py ladder=speed steps=[compile,amp_fp16] "extra=['+prof=trace']"
+
+A ladder (`conf/ladder/<name>.yaml`) is a workload and a list of steps; each step adds stages
+(`+opt=...`) and overrides to the ones before it (or, with `cumulative: false`, to the workload
+alone). Every step runs `train.py` in its own process, so allocator and compiler state start
+clean; a step that runs out of memory, fails or times out is recorded as such and the ladder
+goes on. Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, with the command, the git
+commit, the GPU, the driver and the library versions; rerunning some steps updates their rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|not enough memory|Cannot allocate memory")
+# The per-step numbers, from the run's summary.json: (column, summary key).
+NUMBERS = (
+    ("tokens_per_sec", "perf/tokens_per_sec"),
+    ("tokens_per_sec_p10", "perf/tokens_per_sec_p10"),
+    ("tokens_per_sec_p90", "perf/tokens_per_sec_p90"),
+    ("mfu", "perf/mfu"),
+    ("step_ms", "perf/step_ms"),
+    ("peak_allocated_gib", "mem/peak_allocated_gib"),
+    ("peak_reserved_gib", "mem/peak_reserved_gib"),
+    ("train_loss", "train/loss"),
+    ("val_loss", "val/loss"),
+    ("measured_steps", "perf/measured_steps"),
+)
+
+
+def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
+    """What each step runs: its stages and overrides, accumulated when the ladder is cumulative."""
+    plans, stages, overrides = [], [], []
+    for index, step in enumerate(ladder.steps):
+        if not ladder.cumulative:
+            stages, overrides = [], []
+        stages = stages + [s for s in step.get("opt", []) if s not in stages]
+        overrides = overrides + list(step.get("overrides", []))
+        plans.append(
+            {
+                "index": index,
+                "name": step.name,
+                "what": step.get("what", ""),
+                "stages": stages,
+                "overrides": overrides,
+                "nproc": step.get("nproc", 1),
+            }
+        )
+    return plans
+
+
+def train_command(plan: dict, ladder: DictConfig, extra: list[str], run_dir: Path) -> list[str]:
+    launcher = [sys.executable]
+    if plan["nproc"] > 1:
+        launcher += [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={plan['nproc']}",
+        ]
+    stages = [f"+opt=[{','.join(plan['stages'])}]"] if plan["stages"] else []
+    return [
+        *launcher,
+        "train.py",
+        *ladder.workload,
+        *stages,
+        *plan["overrides"],
+        *extra,
+        f"hydra.run.dir={run_dir}",
+        f"wandb.group=ladder-{ladder.name}",
+        f"wandb.name={ladder.name}-{plan['index']:02d}-{plan['name']}",
+    ]
+
+
+def run_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path) -> dict[str, Any]:
+    """Runs one step in its own process; returns its row (status and numbers)."""
+    run_dir = runs_dir / f"{plan['index']:02d}-{plan['name']}"
+    command = train_command(plan, ladder, list(cfg.extra), run_dir)
+    row = {**plan, "command": shlex.join(["python", *command[1:]]), "git_commit": git_commit()}
+    gpus = torch.cuda.device_count()  # with none, several processes share the CPU (gloo)
+    if 0 < gpus < plan["nproc"]:
+        return {**row, "status": "skipped", "error": f"needs {plan['nproc']} GPUs, {gpus} here"}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(
+        f"[ablate] {ladder.name} {plan['index']:02d} {plan['name']}: {row['command']}", flush=True
+    )
+    started = time.time()
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=cfg.timeout_s,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        output, failed = done.stdout + done.stderr, done.returncode != 0
+        status = ("oom" if OOM.search(output) else "failed") if failed else "ok"
+    except subprocess.TimeoutExpired as e:
+        output, status = f"{e.stdout or ''}{e.stderr or ''}", "timeout"
+    row["wall_s"] = round(time.time() - started, 1)
+    (run_dir / "output.txt").write_text(output if isinstance(output, str) else output.decode())
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    row.update({column: summary.get(key) for column, key in NUMBERS})
+    if status != "ok":
+        lines = [line for line in str(output).splitlines() if line.strip()]
+        row["error"] = " | ".join(lines[-3:])[-600:]
+    print(f"[ablate]   -> {status}, {row['wall_s']} s", flush=True)
+    return {**row, "status": status}
+
+
+def git_commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True
+        ).stdout
+
+    dirty = (
+        " (with uncommitted changes)"
+        if git("status", "--porcelain", "--untracked-files=no").strip()
+        else ""
+    )
+    return git("rev-parse", "--short=12", "HEAD").strip() + dirty
+
+
+def environment(argv: list[str]) -> dict[str, Any]:
+    """What the numbers were measured with."""
+    env = {
+        "command": shlex.join(["python", "scripts/ablate.py", *argv]),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        query = ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"]
+        smi = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
+        env["driver"] = smi[0] if smi else None
+        env["gpus"] = torch.cuda.device_count()
+    return env
+
+
+def device_name() -> str:
+    return (
+        torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else f"CPU ({platform.machine()})"
+    )
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+# ---- rendering
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _ratio(row: dict, ref: dict | None, key: str) -> str:
+    if not ref or row.get(key) is None or ref.get(key) in (None, 0):
+        return "–"
+    if key == "tokens_per_sec":
+        return f"{row[key] / ref[key]:.2f}x"
+    return f"{100 * (row[key] / ref[key] - 1):+.0f}%"
+
+
+def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
+    key = "tokens_per_sec" if ladder.focus == "speed" else "peak_allocated_gib"
+    gain = "speed-up" if ladder.focus == "speed" else "peak memory"
+    header = (
+        f"| # | step | what changes | tokens/s (p10–p90) | {gain} vs prev | {gain} vs baseline "
+        "| MFU | step ms | peak alloc GiB | peak reserved GiB | loss | status |"
+    )
+    lines = [f"# Ladder `{ladder.name}` on {env['device']}", "", header, "|" + "---|" * 12]
+    ok = [r for r in rows if r["status"] == "ok"]
+    baseline = ok[0] if ok and ok[0]["index"] == 0 else None
+    previous = None
+    for row in rows:
+        spread = ""
+        if row.get("tokens_per_sec_p10") is not None:
+            spread = f" ({row['tokens_per_sec_p10']:,.0f}–{row['tokens_per_sec_p90']:,.0f})"
+        mfu = _fmt(row.get("mfu"), ".1f") + ("%" if row.get("mfu") is not None else "")
+        cells = [
+            str(row["index"]),
+            f"`{row['name']}`",
+            row["what"],
+            _fmt(row.get("tokens_per_sec"), ",.0f") + spread,
+            _ratio(row, previous, key),
+            _ratio(row, baseline, key),
+            mfu,
+            _fmt(row.get("step_ms"), ".1f"),
+            _fmt(row.get("peak_allocated_gib"), ".2f"),
+            _fmt(row.get("peak_reserved_gib"), ".2f"),
+            _fmt(row.get("train_loss"), ".3f"),
+            row["status"] if row["status"] == "ok" else f"**{row['status']}**",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+        if row["status"] == "ok":
+            previous = row
+    lines += ["", "Gains compare with the last step that ran (`vs prev`) and with step 0."]
+    failures = [r for r in rows if r["status"] != "ok"]
+    if failures:
+        lines += ["", "Steps that did not complete:", ""]
+        lines += [f"- `{r['name']}` ({r['status']}): {r.get('error', '')}" for r in failures]
+    lines += ["", "## Environment (of the last `ablate.py` call)", ""]
+    lines += [f"- {name}: `{value}`" for name, value in env.items()]
+    lines += ["", "## Step commands (and the commit each step ran at)", ""]
+    lines += [f"{r['index']}. `{r['command']}` ({r.get('git_commit', '?')})" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def thousands(row: dict, key: str) -> float:
+        return (row.get(key) or 0) / 1e3
+
+    x = range(len(rows))
+    fig, (speed, memory) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows)), 7), sharex=True)
+    tps = [thousands(r, "tokens_per_sec") for r in rows]
+    low = [
+        t - thousands(r, "tokens_per_sec_p10") if t else 0 for t, r in zip(tps, rows, strict=True)
+    ]
+    high = [
+        thousands(r, "tokens_per_sec_p90") - t if t else 0 for t, r in zip(tps, rows, strict=True)
+    ]
+    speed.bar(x, tps, yerr=[low, high], color="tab:blue", capsize=3)
+    speed.set_ylabel("thousand tokens/s (median, p10–p90)")
+    alloc = [r.get("peak_allocated_gib") or 0 for r in rows]
+    reserved = [r.get("peak_reserved_gib") or 0 for r in rows]
+    memory.bar([i - 0.2 for i in x], alloc, width=0.4, label="peak allocated", color="tab:orange")
+    memory.bar([i + 0.2 for i in x], reserved, width=0.4, label="peak reserved", color="tab:gray")
+    memory.set_ylabel("GiB per GPU")
+    memory.legend()
+    if not any(alloc):
+        memory.text(0.5, 0.5, "no GPU memory to show", transform=memory.transAxes, ha="center")
+    for i, row in enumerate(rows):
+        if row["status"] != "ok":
+            speed.annotate(row["status"], (i, 0), ha="center", va="bottom", color="red")
+    memory.set_xticks(list(x), [f"{r['index']} {r['name']}" for r in rows], rotation=30, ha="right")
+    speed.set_title(f"ladder {ladder.name}: {env['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def publish(ladder: DictConfig, rows: list[dict], env: dict, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / ladder.name
+    (stem.with_suffix(".json")).write_text(
+        json.dumps({"environment": env, "steps": rows}, indent=2)
+    )
+    columns = ["index", "name", "what", "status", "stages", "nproc", *(c for c, _ in NUMBERS)]
+    columns += ["wall_s", "git_commit", "command", "error"]
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "stages": "+".join(row["stages"])})
+    stem.with_suffix(".md").write_text(markdown(ladder, rows, env))
+    chart(ladder, rows, env, stem.with_suffix(".png"))
+    print(f"[ablate] results: {stem}.{{md,csv,json,png}}", flush=True)
+
+
+def main(argv: list[str]) -> list[dict]:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("ablate", overrides=argv)
+    ladder = cfg.ladder
+    plans = step_plans(ladder)
+    names = [p["name"] for p in plans]
+    wanted = list(cfg.steps) if cfg.steps else names
+    unknown = sorted(set(wanted) - set(names))
+    if unknown:
+        raise SystemExit(f"steps {unknown} are not in ladder {ladder.name}: {names}")
+    folder = Path(cfg.out_dir) / slug(device_name())
+    previous = folder / f"{ladder.name}.json"
+    kept = (
+        {r["name"]: r for r in json.loads(previous.read_text())["steps"]}
+        if previous.exists()
+        else {}
+    )
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    runs_dir = Path(cfg.runs_dir).resolve() / f"{ladder.name}-{stamp}"
+    rows = []
+    for plan in plans:
+        if plan["name"] in wanted:
+            rows.append(run_step(plan, ladder, cfg, runs_dir))
+        elif plan["name"] in kept:
+            rows.append(kept[plan["name"]])
+    publish(ladder, rows, environment(argv), folder)
+    print(OmegaConf.to_yaml({r["name"]: r["status"] for r in rows}), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
