@@ -310,13 +310,14 @@ def main(argv: list[str]) -> list[dict]:
     )
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     runs_dir = Path(cfg.runs_dir).resolve() / f"{ladder.name}-{stamp}"
-    rows = []
+    env = environment(argv)
     for plan in plans:
         if plan["name"] in wanted:
-            rows.append(run_step(plan, ladder, cfg, runs_dir))
-        elif plan["name"] in kept:
-            rows.append(kept[plan["name"]])
-    publish(ladder, rows, environment(argv), folder)
+            kept[plan["name"]] = run_step(plan, ladder, cfg, runs_dir)
+            rows = [kept[p["name"]] for p in plans if p["name"] in kept]
+            publish(
+                ladder, rows, env, folder
+            )  # after every step: a killed ladder keeps its results
     print(OmegaConf.to_yaml({r["name"]: r["status"] for r in rows}), flush=True)
     return rows
 

@@ -174,3 +174,26 @@ def test_prof_trace_writes_a_chrome_trace(tmp_path) -> None:
 def test_prof_memory_needs_a_gpu(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"\+prof=memory records CUDA allocations"):
         train(tiny_cfg("train.max_steps=2", "wandb.mode=disabled", "+prof=memory"), tmp_path)
+
+
+def test_memory_peak_reads_a_snapshot(tmp_path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_peak", ROOT / "scripts/memory_peak.py")
+    memory_peak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory_peak)
+
+    def event(action: str, addr: int, size: int, where: str) -> dict:
+        frames = [{"filename": "torch/nn/functional.py", "line": 1, "name": "linear"},
+                  {"filename": f"/x/{where}", "line": 7, "name": "forward"}]  # fmt: skip
+        return {"action": action, "addr": addr, "size": size, "frames": frames}
+
+    trace = [
+        event("alloc", 1, 100, "model/gpt.py"),
+        event("alloc", 2, 300, "train.py"),
+        event("free_completed", 2, 300, "train.py"),
+        event("alloc", 3, 250, "opt/ac.py"),  # 350 live: below the peak of 400 (1 and 2)
+        event("free_completed", 3, 250, "opt/ac.py"),
+    ]
+    top, sites = memory_peak.peak({"device_traces": [trace], "segments": []})
+    assert top == 400 and sites == {"gpt.py:7 forward": 100, "train.py:7 forward": 300}
