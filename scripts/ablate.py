@@ -130,17 +130,18 @@ def run_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path) ->
 
 
 def git_commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), *args], capture_output=True, text=True
-        ).stdout
+    """The checkout's commit; where there is no git repository (a copied tree on a GPU machine)
+    the caller names it in GPT2_RECIPE_COMMIT."""
 
-    dirty = (
-        " (with uncommitted changes)"
-        if git("status", "--porcelain", "--untracked-files=no").strip()
-        else ""
-    )
-    return git("rev-parse", "--short=12", "HEAD").strip() + dirty
+    def git(*args: str) -> str:
+        command = ["git", "-C", str(ROOT), *args]
+        return subprocess.run(command, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if not commit:
+        return os.environ.get("GPT2_RECIPE_COMMIT", "unknown")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return commit + (" (with uncommitted changes)" if dirty else "")
 
 
 def environment(argv: list[str]) -> dict[str, Any]:
