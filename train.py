@@ -69,14 +69,16 @@ def train_step(
     grad_clip: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's batch: forward and backward per micro-batch (gradients
-    add up; DDP/FSDP reduce them after the last one only), unscale, clip, step. Returns the sum
-    of the micro-batch losses and the gradient norm, both left on the device (no sync)."""
+    add up; across ranks they are reduced after the last one, or after each under FSDP, see
+    opt/accum.py), unscale, clip, step. Returns the sum of the micro-batch losses and the
+    gradient norm, both left on the device (no sync)."""
     losses = torch.zeros((), device=inputs.device)
     micro_batches = zip(
         inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
     )
     for micro_step, (x, y) in enumerate(micro_batches):
-        with opt.gradient_sync(train_model, micro_step == plan.micro_steps - 1):
+        last = micro_step == plan.micro_steps - 1
+        with opt.gradient_sync(train_model, last or not plan.defer_reduce):
             with plan.autocast(inputs.device):
                 _, loss = train_model(x, y)
             scaler.scale(loss / plan.micro_steps).backward()
@@ -97,11 +99,14 @@ def evaluate(
     plan: opt.Plan,
     dist: distributed.Distributed,
 ) -> float:
-    """The mean loss over the fixed validation set (`train.eval_sequences`, over all ranks)."""
+    """The mean loss over the fixed validation set (`train.eval_sequences`, over all ranks).
+
+    Eager even under +opt=compile: an inference graph (and its last, shorter batch) would cost a
+    compilation longer than the evaluation itself."""
     model.eval()
     total, count = torch.zeros((), device=dist.device), 0
     for inputs, targets in data.DeviceBatches(val_loader, dist.device, plan.loader.non_blocking):
-        with plan.autocast(dist.device):
+        with torch.compiler.set_stance("force_eager"), plan.autocast(dist.device):
             total += model(inputs, targets)[1] * len(inputs)
         count += len(inputs)
     model.train()

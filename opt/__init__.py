@@ -57,6 +57,7 @@ class Plan:
     stages: list[str]  # the selected stages, in the order they are applied
     batch_size: int  # sequences per optimizer step per rank
     micro_steps: int = 1  # gradient-accumulation micro-steps per optimizer step
+    defer_reduce: bool = True  # reduce gradients over ranks after the last micro-step only
     loader: LoaderOptions = field(default_factory=LoaderOptions)
     autocast_dtype: torch.dtype | None = None  # None: no autocast (fp32, or FSDP's own policy)
     amp_dtype: torch.dtype | None = None  # the amp stage's dtype, however it is applied
@@ -123,7 +124,7 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
     if "bs" in stages:
         p.batch_size = apply_bs(opt.bs)
     if "accum" in stages:
-        p.micro_steps = apply_accum(p.batch_size, opt.accum)
+        p.micro_steps, p.defer_reduce = apply_accum(p.batch_size, opt.accum, "fsdp" in stages)
     if "workers" in stages:
         p.loader = apply_workers(p.loader, opt.workers)
     if "non_blocking" in stages:

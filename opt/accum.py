@@ -1,6 +1,11 @@
 """`+opt=accum`: gradient accumulation. The step's batch is split into micro-batches whose
 gradients add up before one optimizer step: the same effective batch, with the activation memory
-of one micro-batch. Under DDP/FSDP the gradient all-reduce runs only on the last micro-step."""
+of one micro-batch.
+
+Under DDP the gradient all-reduce runs only on the last micro-step (`no_sync`): DDP holds full
+gradients anyway, so skipping the others is free. Under FSDP skipping the reduce-scatter means
+keeping full-size unsharded gradients between micro-steps, which undoes much of the sharding;
+so by default FSDP reduce-scatters after every micro-step (`defer_fsdp_reduce` to change it)."""
 
 from __future__ import annotations
 
@@ -13,15 +18,20 @@ from torch.nn.parallel import DistributedDataParallel
 from recipe.distributed import log
 
 
-def apply_accum(batch_size: int, cfg: DictConfig) -> int:
-    """The number of micro-steps per optimizer step."""
+def apply_accum(batch_size: int, cfg: DictConfig, fsdp: bool) -> tuple[int, bool]:
+    """The number of micro-steps per optimizer step, and whether the gradient reduction waits for
+    the last one."""
     if cfg.steps < 1 or batch_size % cfg.steps:
         raise ValueError(
             f"opt.accum.steps={cfg.steps} must divide the batch size {batch_size} "
             "(train.batch_size, or opt.bs.batch_size with +opt=bs)"
         )
-    log(f"[opt] accum: {cfg.steps} micro-batches of {batch_size // cfg.steps} per step")
-    return cfg.steps
+    defer = not fsdp or cfg.defer_fsdp_reduce
+    log(
+        f"[opt] accum: {cfg.steps} micro-batches of {batch_size // cfg.steps} per step, gradients "
+        f"reduced {'after the last one' if defer else 'after each one'} (when distributed)"
+    )
+    return cfg.steps, defer
 
 
 def gradient_sync(model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:

@@ -225,6 +225,7 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
         if row["status"] == "ok":
             previous = row
     lines += ["", "Gains compare with the last step that ran (`vs prev`) and with step 0."]
+    lines += [f"\n- `{r['name']}`: {r['note']}" for r in rows if r.get("note")]
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
         lines += ["", "Steps that did not complete:", ""]

@@ -57,7 +57,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("distributed")
     train(tiny_cfg(*RUN, "train.batch_size=4"), root / "single")
     out = {"single": root / "single"}
-    for name, stages in [("ddp", []), ("fsdp", ["+opt=fsdp"]), ("ddp_accum", ["+opt=[ddp,accum]"])]:
+    launches = [("ddp", []), ("fsdp", ["+opt=fsdp"]), ("ddp_accum", ["+opt=[ddp,accum]"]),
+                ("fsdp_accum", ["+opt=[fsdp,accum]"])]  # fmt: skip
+    for name, stages in launches:
         stdout = _torchrun(
             "train.py", *TINY, *RUN, "train.batch_size=2", *stages, f"hydra.run.dir={root / name}"
         )
@@ -83,9 +85,10 @@ def test_ddp_matches_one_process_with_twice_the_batch(runs) -> None:
     assert "[opt] ddp: 2 processes" in (runs["ddp"] / "stdout.txt").read_text()
 
 
-def test_ddp_with_accumulation_matches_too(runs) -> None:
+@pytest.mark.parametrize("name", ["ddp_accum", "fsdp_accum"])
+def test_accumulation_across_processes_matches_too(runs, name: str) -> None:
     for key, values in _metrics(runs["single"]).items():
-        torch.testing.assert_close(_metrics(runs["ddp_accum"])[key], values, rtol=RTOL[key], atol=0)
+        torch.testing.assert_close(_metrics(runs[name])[key], values, rtol=RTOL[key], atol=0)
 
 
 def test_fsdp_matches_ddp(runs) -> None:

@@ -164,6 +164,15 @@ def test_accumulation_gives_the_full_batch_loss_and_gradients() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_accumulation_defers_the_reduction_except_under_fsdp() -> None:
+    def defer(stages: str, *overrides: str) -> bool:
+        return opt.plan(make_cfg(f"+opt=[{stages}]", *overrides), MULTI).defer_reduce
+
+    assert defer("accum") and defer("accum,ddp")
+    assert not defer("accum,fsdp")  # sharded gradients only: reduce-scatter every micro-step
+    assert defer("accum,fsdp", "opt.accum.defer_fsdp_reduce=true")
+
+
 def test_accumulation_runs_micro_batches(tmp_path, monkeypatch) -> None:
     shapes = []
     forward = GPT.forward
