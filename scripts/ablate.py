@@ -212,7 +212,7 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
             f"`{row['name']}`",
             row["what"],
             _fmt(row.get("tokens_per_sec"), ",.0f") + spread,
-            _ratio(row, previous, key),
+            _ratio(row, previous, key) if ladder.cumulative else "–",
             _ratio(row, baseline, key),
             mfu,
             _fmt(row.get("step_ms"), ".1f"),
@@ -224,7 +224,10 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
         if row["status"] == "ok":
             previous = row
-    lines += ["", "Gains compare with the last step that ran (`vs prev`) and with step 0."]
+    compared = (
+        "the last step that ran (`vs prev`) and with step 0" if ladder.cumulative else "step 0"
+    )
+    lines += ["", f"Gains compare with {compared}."]
     lines += [f"\n- `{r['name']}`: {r['note']}" for r in rows if r.get("note")]
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
