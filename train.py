@@ -179,13 +179,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 "world_size": dist.world_size, "tokens_per_step": tokens_per_step},
         resume=start_step > 0,
     )  # fmt: skip
-    if dist.is_main:
-        print(
-            f"[train] {run_name}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "
-            f"parameters on {dist.world_size} x {dist.device.type}, {tokens_per_step:,} tokens "
-            f"per step, steps {start_step}..{max_steps}, run folder {run_dir}",
-            flush=True,
-        )
+    distributed.log(
+        f"[train] {run_name}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "
+        f"parameters on {dist.world_size} x {dist.device.type}, {tokens_per_step:,} tokens "
+        f"per step, steps {start_step}..{max_steps}, run folder {run_dir}"
+    )
 
     # ---- the loop. Nothing in it waits for the GPU except at log, eval and checkpoint steps.
     timer = StepTimer(dist.device)
@@ -252,8 +250,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         summary |= summarize(step_ms_measured, **perf_args) | memory_gib(dist.device)
     if step == max_steps and cfg.sample.num_samples:
         for text in sample(model, cfg.sample, plan, dist.device):
-            if dist.is_main:
-                print(f"[sample] {cfg.sample.prompt}{text}\n---", flush=True)
+            distributed.log(f"[sample] {cfg.sample.prompt}{text}\n---")
     summary = logger.finish(summary, run_dir)
     distributed.shutdown()
     return summary
