@@ -69,6 +69,16 @@ def load_splits(cfg: DictConfig, *, block_size: int, seed: int) -> dict[str, Dat
     return splits
 
 
+def _loader_kwargs(options: LoaderOptions) -> dict:
+    workers = options.num_workers
+    return {
+        "num_workers": workers,
+        "prefetch_factor": options.prefetch_factor if workers else None,
+        "persistent_workers": workers > 0,
+        "pin_memory": options.pin_memory,
+    }
+
+
 def build_loader(
     dataset: Dataset,
     batch_size: int,
@@ -90,14 +100,7 @@ def build_loader(
         start_step=start_step,
         num_steps=num_steps,
     )
-    return DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        num_workers=options.num_workers,
-        prefetch_factor=options.prefetch_factor if options.num_workers else None,
-        persistent_workers=options.num_workers > 0,
-        pin_memory=options.pin_memory,
-    )
+    return DataLoader(dataset, batch_sampler=sampler, **_loader_kwargs(options))
 
 
 def build_eval_loader(
@@ -120,13 +123,7 @@ def build_eval_loader(
         )
     ids = StepSampler(len(dataset), num_sequences, seed=seed).batch_ids(0)
     return DataLoader(
-        dataset,
-        sampler=ids[rank::world_size],
-        batch_size=batch_size,
-        num_workers=options.num_workers,
-        prefetch_factor=options.prefetch_factor if options.num_workers else None,
-        persistent_workers=options.num_workers > 0,
-        pin_memory=options.pin_memory,
+        dataset, sampler=ids[rank::world_size], batch_size=batch_size, **_loader_kwargs(options)
     )
 
 
