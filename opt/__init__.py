@@ -59,8 +59,7 @@ class Plan:
     micro_steps: int = 1  # gradient-accumulation micro-steps per optimizer step
     defer_reduce: bool = True  # reduce gradients over ranks after the last micro-step only
     loader: LoaderOptions = field(default_factory=LoaderOptions)
-    autocast_dtype: torch.dtype | None = None  # None: no autocast (fp32, or FSDP's own policy)
-    amp_dtype: torch.dtype | None = None  # the amp stage's dtype, however it is applied
+    amp_dtype: torch.dtype | None = None  # the amp stage's compute dtype; None: fp32
     scale_loss: bool = False  # float16: scale the loss so that small gradients survive
     optimizer_kwargs: dict = field(default_factory=dict)
 
@@ -77,9 +76,11 @@ class Plan:
         return torch.amp.GradScaler(device.type, enabled=self.scale_loss)
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
+        """Autocast to the amp dtype; none under FSDP, whose MixedPrecisionPolicy casts the
+        parameters itself."""
+        if self.amp_dtype is None or "fsdp" in self.stages:
             return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.autocast_dtype)
+        return torch.autocast(device.type, dtype=self.amp_dtype)
 
 
 def selected(opt_cfg: DictConfig) -> list[str]:
@@ -93,7 +94,7 @@ def selected(opt_cfg: DictConfig) -> list[str]:
     return [name for name in ORDER if name in opt_cfg]
 
 
-def check(stages: list[str], cfg: DictConfig, dist: Distributed) -> None:
+def check(stages: list[str], dist: Distributed) -> None:
     """Refuses conflicting stages before any work starts, naming both sides."""
     impls = [s for s in stages if s in IMPLEMENTATIONS]
     if len(impls) > 1:
@@ -118,7 +119,7 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
     """Validates the selected stages together and applies the ones that shape the batch, the
     input pipeline, the numerics and the optimizer. Model stages: `apply_model_stages`."""
     stages = selected(cfg.opt)
-    check(stages, cfg, dist)
+    check(stages, dist)
     opt, device = cfg.opt, dist.device
     p = Plan(stages=stages, batch_size=cfg.train.batch_size)
     if "bs" in stages:
@@ -132,7 +133,6 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
     apply_tf32("tf32" in stages)  # sets (or resets) the global matmul precision
     if "amp" in stages:
         p.amp_dtype, p.scale_loss = apply_amp(opt.amp, device)
-        p.autocast_dtype = None if "fsdp" in stages else p.amp_dtype  # FSDP casts parameters itself
     for impl in IMPLEMENTATIONS:
         if impl in stages:
             p.optimizer_kwargs = apply_optimizer_impl(impl, device)
