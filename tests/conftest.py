@@ -3,6 +3,7 @@ a few tiny training-run settings that take seconds on a CPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -51,6 +52,12 @@ def _fresh_torch_state() -> None:
     """Each test starts from the same global RNG and matmul precision."""
     torch.manual_seed(0)
     torch.set_float32_matmul_precision("highest")
+
+
+def logged(run_dir: Path, key: str) -> list:
+    """The values of metric `key` in a run's metrics.jsonl, in order."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [row[key] for row in map(json.loads, lines) if key in row]
 
 
 def python() -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY, python, tiny_cfg
+from conftest import ROOT, TINY, logged, python, tiny_cfg
 from train import train
 
 pytestmark = pytest.mark.distributed
@@ -45,11 +45,7 @@ RTOL = {"train/loss": 1e-5, "val/loss": 1e-5, "train/grad_norm": 1e-3}
 
 
 def _metrics(run_dir: Path) -> dict[str, list[float]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {
-        key: [r[key] for r in rows if key in r]
-        for key in ("train/loss", "val/loss", "train/grad_norm")
-    }
+    return {key: logged(run_dir, key) for key in RTOL}
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,12 @@ run on a GPU machine with `pytest -m gpu`."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 import data
 import opt
-from conftest import make_cfg, tiny_cfg
+from conftest import logged, make_cfg, tiny_cfg
 from model import GPT, GPTConfig
 from recipe.distributed import Distributed
 from recipe.hardware import peak_flops
@@ -79,11 +77,6 @@ def test_fused_adamw_runs_its_kernel_on_the_gpu(gpu, monkeypatch) -> None:
     assert calls and optimizer.defaults["fused"]
 
 
-def _losses(run_dir) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["train/loss"] for r in rows if "train/loss" in r]
-
-
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compile_modes_on_the_gpu(tmp_path, mode: str) -> None:
     import torch._dynamo
@@ -95,7 +88,10 @@ def test_compile_modes_on_the_gpu(tmp_path, mode: str) -> None:
     train(tiny_cfg(*args, "+opt=[amp,compile]", f"opt.compile.mode={mode}"), tmp_path / "compiled")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     torch.testing.assert_close(
-        _losses(tmp_path / "compiled"), _losses(tmp_path / "eager"), rtol=2e-2, atol=0
+        logged(tmp_path / "compiled", "train/loss"),
+        logged(tmp_path / "eager", "train/loss"),
+        rtol=2e-2,
+        atol=0,
     )
     torch._dynamo.reset()
 

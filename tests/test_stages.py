@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import warnings
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from torch.optim import adam as adam_module  # where AdamW's three implementatio
 
 import data
 import opt
-from conftest import CONF, make_cfg, tiny_cfg
+from conftest import CONF, logged, make_cfg, tiny_cfg
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from recipe.distributed import Distributed
@@ -352,11 +351,6 @@ def test_workers_and_non_blocking_reach_the_loader_and_the_copies(monkeypatch) -
     assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, baseline_batches, strict=True))
 
 
-def _losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["train/loss"] for r in rows if "train/loss" in r]
-
-
 def test_a_run_with_stages_logs_them_and_matches_the_baseline(tmp_path, capsys) -> None:
     """Math-preserving stages end-to-end: same losses; the stages show in the console, the
     run name and the wandb config."""
@@ -373,7 +367,10 @@ def test_a_run_with_stages_logs_them_and_matches_the_baseline(tmp_path, capsys) 
     assert run["name"] == "tiny-accum+workers+non_blocking+forloop+ac"
     assert run["config"]["stages"] == summary["stages"]
     torch.testing.assert_close(
-        _losses(tmp_path / "staged"), _losses(tmp_path / "baseline"), rtol=1e-5, atol=0
+        logged(tmp_path / "staged", "train/loss"),
+        logged(tmp_path / "baseline", "train/loss"),
+        rtol=1e-5,
+        atol=0,
     )
 
 
@@ -396,7 +393,10 @@ def test_compile_compiles_and_matches_eager(tmp_path) -> None:
     train(tiny_cfg(*args, "+opt=compile"), tmp_path / "compiled")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     torch.testing.assert_close(
-        _losses(tmp_path / "compiled"), _losses(tmp_path / "eager"), rtol=1e-4, atol=0
+        logged(tmp_path / "compiled", "train/loss"),
+        logged(tmp_path / "eager", "train/loss"),
+        rtol=1e-4,
+        atol=0,
     )
 
     model = _toy()  # scope=block compiles the blocks in place, leaving the names alone
