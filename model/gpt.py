@@ -120,23 +120,35 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns logits over the real vocabulary (B, T, vocab_size) and, given targets,
-        the mean cross-entropy loss."""
-        B, T = idx.shape
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Without targets: the logits over the real vocabulary (B, T, vocab_size) and no loss.
+        With targets: no logits (training and evaluation never read them, and returning them
+        would keep the (B, T, vocab) tensor alive through backward) and the mean cross-entropy.
+        """
+        x = self.embed(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.head(x, targets)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings: the residual stream's start (B, T, C)."""
+        T = idx.shape[1]
         if self.config.block_size < T:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
+    def head(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The final norm and the tied vocabulary projection: logits, or the loss given targets."""
         x = self.transformer.ln_f(x)
         logits = F.linear(x, self.lm_head.weight, self.vocab_pad_mask.to(x.dtype))
-        loss = None
-        if targets is not None:
-            # In float32 whatever the compute dtype (autocast would upcast it too).
-            loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
-        return logits[..., : self.config.vocab_size], loss
+        if targets is None:
+            return logits[..., : self.config.vocab_size], None
+        # In float32 whatever the compute dtype (autocast would upcast it too).
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return None, loss
 
     def num_params(self, exclude_positions: bool = True) -> int:
         """Parameters, the tied embedding counted once. The position table is a lookup with no

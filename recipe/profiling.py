@@ -34,8 +34,10 @@ class Profiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.trace = torch.profiler.profile(
                 activities=activities,
+                # repeat=1: one recording, then the profiler stays off (the default, 0, would
+                # cycle wait/warmup/active to the end of the run, profiling half the steps).
                 schedule=torch.profiler.schedule(
-                    wait=cfg.wait, warmup=cfg.warmup, active=cfg.active
+                    wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1
                 ),
                 on_trace_ready=self._save_trace,
                 record_shapes=cfg.record_shapes,

@@ -57,8 +57,10 @@ def test_padding_tokens_are_never_predicted_nor_counted() -> None:
     with torch.no_grad():  # make the padding rows as attractive as possible
         model.transformer.wte.weight[50:] = 5.0
     idx = torch.randint(0, 50, (3, 8))
-    logits, loss = model(idx, idx)
+    logits, _ = model(idx)
     assert logits.shape == (3, 8, 50)
+    no_logits, loss = model(idx, idx)
+    assert no_logits is None
     # The loss is the cross-entropy over the real vocabulary only.
     assert loss.item() == pytest.approx(
         F.cross_entropy(logits.reshape(-1, 50), idx.reshape(-1)).item(), rel=1e-6

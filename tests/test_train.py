@@ -160,14 +160,14 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path) -> None:
     assert json.loads((tmp_path / "summary.json").read_text())["completed"] is False
 
 
-def test_prof_trace_writes_a_chrome_trace(tmp_path) -> None:
-    train(
-        tiny_cfg("train.max_steps=8", "wandb.mode=disabled", "+prof=trace", "prof.trace.wait=2"),
-        tmp_path,
-    )
+def test_prof_trace_records_the_asked_steps_once(tmp_path, capsys) -> None:
+    overrides = ("train.max_steps=20", "wandb.mode=disabled", "+prof=trace", "prof.trace.wait=2")
+    train(tiny_cfg(*overrides), tmp_path)
     trace = json.loads((tmp_path / "trace.json").read_text())
     names = {event.get("name", "") for event in trace["traceEvents"]}
-    assert any("ProfilerStep#" in name for name in names) and "aten::mm" in names
+    steps = sorted(name for name in names if name.startswith("ProfilerStep#"))
+    assert steps == ["ProfilerStep#4", "ProfilerStep#5", "ProfilerStep#6"] and "aten::mm" in names
+    assert capsys.readouterr().out.count("[prof] trace of") == 1  # then the profiler is off
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without GPU")
