@@ -1,0 +1,163 @@
+"""Where a training step's GPU time goes: a profiler trace (`+prof=trace`) split by kernel family,
+each family set against what it would cost at the GPU's roofline.
+
+    python scripts/step_budget.py outputs/run/trace.json --n-layer 12 --n-embd 768 \\
+        --batch 32 --block 1024 --json budget.json
+
+Families, from the kernel names: matmul (cuBLAS/CUTLASS/Triton GEMMs), attention (flash, cuDNN
+and memory-efficient SDPA), loss (cross-entropy and the fused head), optimizer (AdamW and the
+gradient-norm clip), norm/elementwise (LayerNorm, GELU, residual adds, bias gradients, the
+embedding: mostly Inductor's fused Triton kernels), copies (memcpy/memset/cat), communication
+(NCCL), other. Idle is the part of the recorded window in which no kernel runs.
+
+The roofline column is a floor computed from the model's shapes (assumptions below), at the
+measured ceilings of the GPU (`--tflops`, `--tbps`): it says how far each family is from what
+the hardware allows, not what any kernel could reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+FAMILIES = (
+    ("communication", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|cudnn", re.I)),
+    ("loss", re.compile(r"log_softmax|nll_loss|cross_entropy|linear_ce|lse", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|wgmma|splitk|triton_tem_", re.I)),
+    ("optimizer", re.compile(r"adam|lpnorm|multi_tensor_apply", re.I)),
+    ("copies", re.compile(r"memcpy|memset|copy_kernel|catarray", re.I)),
+    ("norm/elementwise", re.compile(r"triton_|norm|elementwise|vectorized|reduce|gelu", re.I)),
+)
+ORDER = [name for name, _ in FAMILIES] + ["other", "idle"]
+
+
+def family(name: str, category: str) -> str:
+    if category in ("gpu_memcpy", "gpu_memset"):
+        return "copies"
+    for fam, pattern in FAMILIES:
+        if pattern.search(name):
+            return fam
+    return "other"
+
+
+def gpu_events(trace: dict) -> list[dict]:
+    kinds = ("kernel", "gpu_memcpy", "gpu_memset")
+    return [e for e in trace["traceEvents"] if e.get("cat") in kinds and e.get("dur", 0) > 0]
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (kernels on several streams overlap)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def roofline_ms(a: argparse.Namespace) -> dict[str, float]:
+    """Per-step floors (ms). Assumptions: matmuls 6 x weight-matmul params x tokens FLOPs;
+    causal attention 7 T^2 C FLOPs per layer and sequence (forward 2, backward 5 of the T^2 C
+    products, half the square skipped); the loss reads the logits once and writes their gradient
+    once in bf16 (2 x 2 bytes x tokens x V); fused AdamW + clipping move ~40 bytes per fp32
+    parameter (read p, g, m, v; write p, m, v; read g for the norm; scale g); norm/elementwise
+    traffic is ~132 bytes x C per layer and token (forward ~44 C: LayerNorms reading the fp32
+    residual and writing bf16, the GELU's 4C in and out, two residual adds; backward about twice
+    that), with the biases' gradient reductions fused into it."""
+    tokens, C, L, V = a.batch * a.block, a.n_embd, a.n_layer, a.vocab
+    flops_per_s, bytes_per_s = a.tflops * 1e12, a.tbps * 1e12
+    matmul_params = L * 12 * C * C + V * C
+    params = matmul_params + a.block * C + L * (13 * C) + 2 * C  # + positions, biases, norms
+    return {
+        "matmul": 1e3 * 6 * matmul_params * tokens / flops_per_s,
+        "attention": 1e3 * 7 * a.block * a.block * C * L * a.batch / flops_per_s,
+        "loss": 1e3 * 4 * tokens * V / bytes_per_s,
+        "optimizer": 1e3 * 40 * params / bytes_per_s,
+        "norm/elementwise": 1e3 * 132 * C * L * tokens / bytes_per_s,
+    }
+
+
+def budget(trace: dict, steps: int) -> dict[str, Any]:
+    events = gpu_events(trace)
+    if not events:
+        raise SystemExit("no GPU kernels in this trace: was it recorded on a GPU (+prof=trace)?")
+    per_family: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    top: dict[str, float] = defaultdict(float)
+    for e in events:
+        fam = family(e.get("name", ""), e["cat"])
+        per_family[fam] += e["dur"]
+        counts[fam] += 1
+        top[e.get("name", "")[:120]] += e["dur"]
+    start = min(e["ts"] for e in events)
+    window = max(e["ts"] + e["dur"] for e in events) - start
+    busy = busy_time([(e["ts"], e["ts"] + e["dur"]) for e in events])
+    per_family["idle"] = window - busy
+    ms = {k: v / 1e3 / steps for k, v in per_family.items()}
+    return {
+        "steps": steps,
+        "step_ms": window / 1e3 / steps,
+        "busy_ms": busy / 1e3 / steps,
+        "family_ms": {k: ms.get(k, 0.0) for k in ORDER},
+        "kernels_per_step": {k: counts[k] / steps for k in counts},
+        "top_kernels_ms": {
+            name: t / 1e3 / steps for name, t in sorted(top.items(), key=lambda kv: -kv[1])[:15]
+        },
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    floors = result["roofline_ms"]
+    lines = [
+        f"GPU window {result['step_ms']:.1f} ms/step ({result['steps']} steps), kernels busy "
+        f"{result['busy_ms']:.1f} ms.",
+        "",
+        "| family | ms/step | share | kernels/step | roofline ms | measured / roofline |",
+        "|---|---|---|---|---|---|",
+    ]
+    for fam in ORDER:
+        t = result["family_ms"][fam]
+        if t == 0:
+            continue
+        floor = floors.get(fam)
+        ratio = f"{t / floor:.1f}x" if floor else "–"
+        kernels = result["kernels_per_step"].get(fam)
+        lines.append(
+            f"| {fam} | {t:.2f} | {100 * t / result['step_ms']:.0f}% | "
+            f"{'–' if kernels is None else f'{kernels:.0f}'} | "
+            f"{'–' if floor is None else f'{floor:.2f}'} | {ratio} |"
+        )
+    lines += ["", "Largest kernels (ms/step):", ""]
+    lines += [f"- {t:.2f} `{name}`" for name, t in result["top_kernels_ms"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", type=Path, help="trace.json written by +prof=trace")
+    parser.add_argument("--steps", type=int, default=3, help="steps recorded (prof.trace.active)")
+    parser.add_argument("--n-layer", type=int, default=12)
+    parser.add_argument("--n-embd", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=50304, help="padded vocabulary")
+    parser.add_argument("--batch", type=int, default=32, help="sequences per step on this GPU")
+    parser.add_argument("--block", type=int, default=1024)
+    parser.add_argument("--tflops", type=float, default=790.0, help="measured bf16 GEMM ceiling")
+    parser.add_argument("--tbps", type=float, default=3.0, help="measured copy bandwidth, TB/s")
+    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    args = parser.parse_args()
+    result = budget(json.loads(args.trace.read_text()), args.steps)
+    result["roofline_ms"] = roofline_ms(args)
+    result["assumptions"] = {k: v for k, v in vars(args).items() if k not in ("trace", "json")}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
