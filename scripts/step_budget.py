@@ -27,9 +27,9 @@ from typing import Any
 FAMILIES = (
     ("communication", re.compile(r"nccl", re.I)),
     ("attention", re.compile(r"flash|fmha|sdpa|attention|cudnn", re.I)),
-    ("loss", re.compile(r"log_softmax|nll_loss|cross_entropy|linear_ce|lse", re.I)),
-    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|wgmma|splitk|triton_tem_", re.I)),
     ("optimizer", re.compile(r"adam|lpnorm|multi_tensor_apply", re.I)),
+    ("loss", re.compile(r"log_softmax|nll_loss|cross_entropy|linear_ce", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|wgmma|splitk|triton_tem_", re.I)),
     ("copies", re.compile(r"memcpy|memset|copy_kernel|catarray", re.I)),
     ("norm/elementwise", re.compile(r"triton_|norm|elementwise|vectorized|reduce|gelu", re.I)),
 )
