@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +23,20 @@ import data
 import opt
 from data.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig
-from recipe import checkpoint, distributed
+from recipe import checkpoint, config, distributed, rundir
+from recipe.guard import NonFiniteGuard
 from recipe.hardware import peak_flops
 from recipe.metrics import MetricLogger, StepTimer, memory_gib, summarize, throughput
 from recipe.profiling import Profiler
 from recipe.schedule import learning_rate
 
+OmegaConf.register_new_resolver("launch", rundir.launch_stamp, replace=True)  # the run folder
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    hydra_cfg = HydraConfig.get()
+    train(cfg, Path(hydra_cfg.runtime.output_dir), overrides=list(hydra_cfg.overrides.task))
 
 
 def build_model(cfg: DictConfig) -> GPT:
@@ -67,11 +72,13 @@ def train_step(
     targets: torch.Tensor,
     plan: opt.Plan,
     grad_clip: float,
+    guard: NonFiniteGuard,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on this rank's batch: forward and backward per micro-batch (gradients
     add up; across ranks they are reduced after the last one, or after each under FSDP, see
-    opt/accum.py), unscale, clip, step. Returns the sum of the micro-batch losses and the
-    gradient norm, both left on the device (no sync)."""
+    opt/accum.py), unscale, clip, then the step unless the loss or the gradients are not finite
+    (recipe/guard.py). Returns the sum of the micro-batch losses and the gradient norm, both
+    left on the device (no sync)."""
     losses = torch.zeros((), device=inputs.device)
     micro_batches = zip(
         inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
@@ -86,8 +93,9 @@ def train_step(
     scaler.unscale_(optimizer)  # clip the true gradients
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    scaler.step(optimizer)  # skipped if float16 gradients overflowed
-    scaler.update()
+    if isinstance(grad_norm, DTensor):  # FSDP: the global norm, replicated on every rank
+        grad_norm = grad_norm.full_tensor()
+    guard.step(optimizer, scaler, losses, grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return losses, grad_norm
 
@@ -125,14 +133,26 @@ def sample(model: GPT, cfg: DictConfig, plan: opt.Plan, device: torch.device) ->
     return [encoding.decode(row[len(prompt) :].tolist()) for row in out]
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Runs one training job; returns its summary (also written to `summary.json`)."""
-    # ---- setup: processes, stages (checked before any work), profiling, seed, the checkpoint
+def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> dict[str, Any]:
+    """Runs one training job; returns its summary (also written to `summary.json`).
+    `overrides` is the command line that built `cfg`: saved with the run, so that a resume needs
+    only `train.resume=true` (and whatever it changes)."""
+    # ---- setup: the config (on resume the saved run's, with these overrides on top), checked
+    # before any work; processes and stages; the run folder; the checkpoint; profiling; seed
+    overrides = list(overrides)
+    if cfg.train.resume:
+        cfg, overrides = config.for_resume(run_dir, overrides)
+    config.validate(cfg)
     dist = distributed.init(cfg.device)
     plan = opt.plan(cfg, dist)
+    folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
+    resumed = checkpoint.read(run_dir) if cfg.train.resume else None
+    if resumed:
+        config.check_resume(resumed["config"], cfg)
+        if resumed["step"] >= cfg.train.max_steps:
+            return finished_already(run_dir, resumed["step"], dist)
     profiler = Profiler(cfg.prof, run_dir, dist.device, enabled=dist.is_main)  # memory: from here
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-    resumed = checkpoint.read(run_dir) if cfg.train.resume else None
     start_step = resumed["step"] if resumed else 0
     max_steps, log_interval = cfg.train.max_steps, cfg.train.log_interval
 
@@ -155,15 +175,22 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # ---- model, then the model stages in their fixed order (AC -> compile -> DDP/FSDP)
     with torch.device(dist.device):  # initialised in place: no host copy of the weights
         model = build_model(cfg.model)
+    if resumed:
+        checkpoint.check_shape(resumed, model.config)
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
 
-    # ---- optimizer and loss scaler (a no-op unless amp runs in float16)
+    # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard
     optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs)
     scaler = plan.grad_scaler(dist.device)
+    guard = NonFiniteGuard(dist.device, dist, cfg.train.max_bad_steps)
     if resumed:
         checkpoint.restore(resumed, model, optimizer, scaler)
-        del resumed
 
+    # ---- the run folder: its config, the metrics so far (on resume), the logger
+    resolved = config.resolved(cfg, model.config)
+    history = folder.cut_metrics(start_step) if folder and resumed else []
+    if folder:
+        config.save(run_dir, resolved, overrides)
     tokens_per_step = plan.batch_size * dist.world_size * cfg.model.block_size
     perf_args = dict(
         tokens_per_step=tokens_per_step,
@@ -173,12 +200,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     )
     run_name = cfg.wandb.name or f"{cfg.model.name}-{'+'.join(plan.stages) or 'baseline'}"
     logger = MetricLogger(
-        run_dir, enabled=dist.is_main, max_steps=max_steps, wandb_mode=cfg.wandb.mode,
-        wandb_project=cfg.wandb.project, wandb_group=cfg.wandb.group, run_name=run_name,
-        config={**OmegaConf.to_container(cfg, resolve=True), "stages": plan.stages,
-                "world_size": dist.world_size, "tokens_per_step": tokens_per_step},
-        resume=start_step > 0,
+        run_dir, enabled=dist.is_main, max_steps=max_steps, wandb_cfg=cfg.wandb,
+        run_name=run_name, history=history, wandb_id=resumed.get("wandb_id") if resumed else None,
+        config={**resolved, "stages": plan.stages, "world_size": dist.world_size,
+                "tokens_per_step": tokens_per_step},
     )  # fmt: skip
+    run_state = {"config": resolved, "model_config": dataclasses.asdict(model.config),
+                 "stages": plan.stages, "wandb_id": logger.wandb_id}  # fmt: skip
+    del resumed
     distributed.log(
         f"[train] {run_name}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "
         f"parameters on {dist.world_size} x {dist.device.type}, {tokens_per_step:,} tokens "
@@ -204,7 +233,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 group["lr"] = lr
             inputs, targets = next(batches)
             losses, grad_norm = train_step(
-                train_model, optimizer, scaler, inputs, targets, plan, cfg.train.grad_clip
+                train_model, optimizer, scaler, inputs, targets, plan, cfg.train.grad_clip, guard
             )
             loss_sum += losses
             timer.step()
@@ -216,13 +245,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 step_ms = timer.read_ms()  # waits for the GPU to finish the logged steps
                 window_start = step - len(step_ms)
                 step_ms_measured += step_ms[max(0, measure_from - window_start) :]
-                if isinstance(grad_norm, DTensor):
-                    grad_norm = grad_norm.full_tensor()
+                scale = scaler.get_scale() if scaler.is_enabled() else None
                 logger.log(
                     {
                         "train/loss": dist.mean(loss_sum / window_micro_steps).item(),
                         "train/lr": lr,
                         "train/grad_norm": grad_norm.item(),
+                        **guard.check(step, scale),  # stops the run after too many bad steps
                         **throughput(step_ms, **perf_args),
                         **memory_gib(dist.device),
                     },
@@ -237,7 +266,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             stopping = dist.any(stop.requested)
             every = cfg.train.checkpoint_interval
             if (every and (step % every == 0 or step == max_steps)) or stopping:
-                checkpoint.save(run_dir, dist, model, optimizer, scaler, step)
+                checkpoint.save(run_dir, dist, model, optimizer, scaler, step, run_state)
                 timer.start()
             if stopping:
                 break
@@ -249,11 +278,43 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if step_ms_measured:
         summary |= summarize(step_ms_measured, **perf_args) | memory_gib(dist.device)
     if step == max_steps and cfg.sample.num_samples:
-        for text in sample(model, cfg.sample, plan, dist.device):
-            distributed.log(f"[sample] {cfg.sample.prompt}{text}\n---")
+        texts = sample(model, cfg.sample, plan, dist.device)
+        if dist.is_main:
+            write_samples(run_dir / "samples.txt", cfg.sample.prompt, texts, step)
     summary = logger.finish(summary, run_dir)
+    distributed.log(closing_line(run_dir, step, max_steps))
     distributed.shutdown()
     return summary
+
+
+def write_samples(path: Path, prompt: str, texts: list[str], step: int) -> None:
+    """Prints the samples and appends them to the run folder's `samples.txt`."""
+    blocks = [f"{prompt}{text}" for text in texts]
+    for block in blocks:
+        distributed.log(f"[sample] {block}\n---")
+    with open(path, "a") as f:
+        f.write(f"# step {step}\n" + "".join(f"{block}\n---\n" for block in blocks))
+
+
+def closing_line(run_dir: Path, step: int, max_steps: int) -> str:
+    state = "finished" if step == max_steps else "stopped"
+    return (
+        f"[train] {state} at step {step}/{max_steps}; run folder {run_dir}\n"
+        f"  continue: python train.py hydra.run.dir={run_dir} train.resume=true"
+        f"{'' if step < max_steps else ' train.max_steps=<more>'}\n"
+        f"  sample:   python sample.py run={run_dir}"
+    )
+
+
+def finished_already(run_dir: Path, step: int, dist: distributed.Distributed) -> dict[str, Any]:
+    """Resuming a run that reached its last step: nothing to do, nothing is written."""
+    distributed.log(
+        f"[train] {run_dir} already finished at step {step}: nothing to do (raise "
+        "train.max_steps to train it further)"
+    )
+    distributed.shutdown()
+    summary = run_dir / "summary.json"
+    return json.loads(summary.read_text()) if summary.exists() else {"step": step}
 
 
 if __name__ == "__main__":

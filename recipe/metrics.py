@@ -2,19 +2,21 @@
 console line, `metrics.jsonl` in the run folder, and wandb (offline unless you are logged in).
 
 Metric names (the same everywhere):
-    step, train/loss, val/loss, train/lr, train/grad_norm, perf/tokens_per_sec, perf/mfu (%),
-    perf/step_ms, mem/peak_allocated_gib, mem/peak_reserved_gib
+    step, train/loss, val/loss, train/lr, train/grad_norm, train/skipped_steps,
+    perf/tokens_per_sec, perf/mfu (%), perf/step_ms, mem/peak_allocated_gib, mem/peak_reserved_gib
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
 GiB = 1024**3
 
@@ -112,7 +114,10 @@ _CONSOLE = (
 
 
 class MetricLogger:
-    """Writes metrics on rank 0 only (the values are already reduced over ranks)."""
+    """Writes metrics on rank 0 only (the values are already reduced over ranks). Non-finite
+    values are written as null in the JSON files (JSON has no NaN) and shown as nan on the
+    console. On resume it appends to the metrics kept so far (`history`) and continues the same
+    wandb run (`wandb_id`)."""
 
     def __init__(
         self,
@@ -120,32 +125,35 @@ class MetricLogger:
         *,
         enabled: bool,
         max_steps: int,
-        wandb_mode: str,
-        wandb_project: str,
-        wandb_group: str | None,
+        wandb_cfg: DictConfig,
         run_name: str,
         config: dict,
-        resume: bool,
+        wandb_id: str | None = None,
+        history: list[dict[str, Any]] = (),
     ) -> None:
         self.enabled, self.max_steps = enabled, max_steps
         self._origin: tuple[float, int] | None = None  # (time, step) of the first log, for the ETA
         self.latest: dict[str, float | None] = {}  # the last value of each metric, for the summary
+        for row in history:
+            self.latest |= {k: v for k, v in row.items() if k != "step"}
         self.run = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(run_dir / "metrics.jsonl", "a" if resume else "w")  # noqa: SIM115
-        if wandb_mode != "disabled":
-            self.run = _init_wandb(
-                run_dir, wandb_mode, wandb_project, wandb_group, run_name, config
-            )
+        self.jsonl = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
+        if wandb_cfg.mode != "disabled":
+            self.run = _init_wandb(run_dir, wandb_cfg, run_name, config, wandb_id)
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.run.id if self.run is not None else None
 
     def log(self, metrics: dict[str, float | None], step: int) -> None:
         if not self.enabled:
             return
         self.latest |= metrics
-        record = {"step": step, **metrics}
-        self.jsonl.write(json.dumps(record) + "\n")
+        record = json_safe({"step": step, **metrics})
+        self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self.jsonl.flush()
         if self.run is not None:
             self.run.log(metrics, step=step)
@@ -153,6 +161,8 @@ class MetricLogger:
         for key, label, fmt in _CONSOLE:
             if metrics.get(key) is not None:
                 parts.append(f"{label} {fmt.format(metrics[key])}".strip())
+        if metrics.get("train/skipped_steps"):
+            parts.append(f"skipped {metrics['train/skipped_steps']}")
         if self._origin is None:
             self._origin = (time.time(), step)
         elif step > self._origin[1]:
@@ -165,7 +175,8 @@ class MetricLogger:
         summary = {**self.latest, **summary}
         if not self.enabled:
             return summary
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        text = json.dumps(json_safe(summary), indent=2, allow_nan=False)
+        (run_dir / "summary.json").write_text(text)
         self.jsonl.close()
         if self.run is not None:
             self.run.summary.update(summary)
@@ -173,24 +184,43 @@ class MetricLogger:
         return summary
 
 
-def _init_wandb(
-    run_dir: Path, mode: str, project: str, group: str | None, name: str, config: dict
-) -> Any:
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None (null), at any depth."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _init_wandb(run_dir: Path, cfg: DictConfig, name: str, config: dict, run_id: str | None) -> Any:
+    """The wandb run: online with an API key (mode auto) or when asked, offline otherwise. In
+    auto mode a server that does not answer within `wandb.init_timeout_s` means offline."""
     import wandb
 
+    mode = cfg.mode
     if mode not in ("auto", "online", "offline"):
         raise ValueError(f"wandb.mode={mode!r}: choose auto, online, offline or disabled")
     if mode == "auto":  # online only when an API key is configured (env or `wandb login`)
         mode = "online" if wandb.login(prompt=False, verify=False) else "offline"
-    run = wandb.init(
-        project=project,
-        group=group,
-        name=name,
-        mode=mode,
-        config=config,
-        dir=str(run_dir),
-        settings=wandb.Settings(console="off", quiet=True),
-    )
+
+    def start(mode: str) -> Any:
+        settings = wandb.Settings(console="off", quiet=True, init_timeout=cfg.init_timeout_s)
+        return wandb.init(
+            project=cfg.project, group=cfg.group, name=name, mode=mode, config=config,
+            dir=str(run_dir), id=run_id, resume="allow" if run_id else None, settings=settings,
+        )  # fmt: skip
+
+    try:
+        run = start(mode)
+    except wandb.errors.Error as e:  # a timeout, a refused connection, a rejected key
+        if cfg.mode != "auto" or mode != "online":
+            raise
+        print(f"[wandb] the server did not answer ({type(e).__name__}): logging offline instead")
+        mode = "offline"
+        run = start(mode)
     if mode == "offline":
         print(f"[wandb] offline run in {run.dir}; upload later: wandb sync {Path(run.dir).parent}")
     return run

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,14 @@ def tiny_cfg(*overrides: str) -> DictConfig:
     return make_cfg(*TINY, *overrides)
 
 
+def tiny_run(run_dir: Path, *overrides: str) -> dict:
+    """`python train.py <TINY> <overrides> hydra.run.dir=<run_dir>`, in this process: the command
+    line travels with the config, as it does from the CLI, so that a resume can rebuild it."""
+    from train import train
+
+    return train(tiny_cfg(*overrides), run_dir, overrides=[*TINY, *overrides])
+
+
 @pytest.fixture(scope="session", autouse=True)
 def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One prepared-corpus cache for the whole session (the config reads GPT2_RECIPE_CACHE)."""
@@ -52,6 +61,45 @@ def _fresh_torch_state() -> None:
     """Each test starts from the same global RNG and matmul precision."""
     torch.manual_seed(0)
     torch.set_float32_matmul_precision("highest")
+
+
+@dataclass
+class WandbCalls:
+    """What the trainer handed to wandb's public API: `wandb.init`'s arguments and each
+    `run.log(metrics, step=...)` call, recorded around the real (offline) calls."""
+
+    init: list[dict] = field(default_factory=list)
+    logs: list[tuple[dict, int]] = field(default_factory=list)
+    finished: int = 0
+
+
+@pytest.fixture
+def wandb_calls(monkeypatch: pytest.MonkeyPatch) -> WandbCalls:
+    """Spies on wandb through its public API. (Reading the offline run's file back would depend
+    on wandb's private format, and the file is complete only once wandb's service process has
+    closed it, which can be after `finish()` returns: the cause of an intermittent failure.)"""
+    import wandb
+
+    calls, real_init = WandbCalls(), wandb.init
+
+    def init(**kwargs):
+        calls.init.append(kwargs)
+        run = real_init(**kwargs)
+        real_log, real_finish = run.log, run.finish
+
+        def log(metrics, step=None, **rest):
+            calls.logs.append((dict(metrics), step))
+            return real_log(metrics, step=step, **rest)
+
+        def finish(*args, **rest):
+            calls.finished += 1
+            return real_finish(*args, **rest)
+
+        run.log, run.finish = log, finish
+        return run
+
+    monkeypatch.setattr(wandb, "init", init)
+    return calls
 
 
 def logged(run_dir: Path, key: str) -> list:

@@ -12,6 +12,7 @@ import opt
 from conftest import logged, make_cfg, tiny_cfg
 from model import GPT, GPTConfig
 from recipe.distributed import Distributed
+from recipe.guard import NonFiniteGuard
 from recipe.hardware import peak_flops
 from train import build_optimizer, train, train_step
 
@@ -51,7 +52,8 @@ def test_amp_on_the_gpu(gpu, dtype: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     scaler = plan.grad_scaler(gpu.device)
     batch = torch.randint(0, 50257, (4, 33), device="cuda")
-    _, norm = train_step(model, optimizer, scaler, batch[:, :-1], batch[:, 1:], plan, 1.0)
+    guard = NonFiniteGuard(gpu.device, gpu, max_bad_steps=10)
+    _, norm = train_step(model, optimizer, scaler, batch[:, :-1], batch[:, 1:], plan, 1.0, guard)
     assert seen == {getattr(torch, dtype)} and torch.isfinite(norm)
     assert scaler.is_enabled() == (dtype == "float16")
     if dtype == "float16":

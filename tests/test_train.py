@@ -10,16 +10,15 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, python, tiny_cfg
+from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from recipe import checkpoint
 from recipe.distributed import Distributed
 from train import train
-from wandb_offline import read_run
 
 TRAIN_METRICS = {
     "step", "train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu",
-    "perf/step_ms", "mem/peak_allocated_gib", "mem/peak_reserved_gib",
+    "perf/step_ms", "mem/peak_allocated_gib", "mem/peak_reserved_gib", "train/skipped_steps",
 }  # fmt: skip
 
 
@@ -27,7 +26,7 @@ def _rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_short_run_logs_everywhere_and_saves(tmp_path, capsys) -> None:
+def test_a_short_run_logs_everywhere_and_saves(tmp_path, capsys, wandb_calls) -> None:
     summary = train(
         tiny_cfg("train.max_steps=6", "train.log_interval=2", "train.eval_interval=3"), tmp_path
     )
@@ -40,13 +39,12 @@ def test_a_short_run_logs_everywhere_and_saves(tmp_path, capsys) -> None:
     val = {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
     assert list(val) == [0, 3, 6] and val[6] < val[0]
 
-    run = read_run(tmp_path)  # the offline wandb run holds the same numbers
-    assert run["name"] == "tiny-baseline"
-    assert run["config"]["train"]["max_steps"] == 6 and run["config"]["stages"] == []
-    history = {h["_step"]: h for h in run["history"]}
-    for r in rows:
-        for key, value in r.items():
-            assert history[r["step"]][key if key != "step" else "_step"] == value
+    (init,) = wandb_calls.init  # wandb got the same numbers, and an offline run exists
+    assert init["name"] == "tiny-baseline" and init["mode"] == "offline"
+    assert init["config"]["train"]["max_steps"] == 6 and init["config"]["stages"] == []
+    assert [{"step": step, **metrics} for metrics, step in wandb_calls.logs] == rows
+    assert wandb_calls.finished == 1
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
 
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert state["step"] == 6 and "transformer.wte.weight" in state["model"]
@@ -78,12 +76,13 @@ def test_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path, monkeypatch)
         "train.max_steps=8", "train.log_interval=1", "train.eval_interval=4",
         "sample.num_samples=0", "wandb.mode=disabled",
     )  # fmt: skip
-    train(tiny_cfg(*args), tmp_path / "straight")
+    tiny_run(tmp_path / "straight", *args)
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint, "StopSignal", _stop_after(5))
-        stopped = train(tiny_cfg(*args), tmp_path / "resumed")
+        stopped = tiny_run(tmp_path / "resumed", *args)
     assert stopped["step"] == 5 and not stopped["completed"]
-    train(tiny_cfg(*args, "train.resume=true"), tmp_path / "resumed")
+    # Only train.resume on the command line: the saved run supplies the rest (its schedule too).
+    train(make_cfg("train.resume=true"), tmp_path / "resumed", overrides=["train.resume=true"])
 
     def losses(run: str) -> list:
         keys = ("train/loss", "train/grad_norm", "val/loss")
@@ -97,7 +96,7 @@ def test_a_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> 
     optimizer = torch.optim.AdamW(model.parameters())
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     dist = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    checkpoint.save(tmp_path, dist, model, optimizer, scaler, step=1)
+    checkpoint.save(tmp_path, dist, model, optimizer, scaler, step=1, run_state={})
     good = (tmp_path / "checkpoint.pt").read_bytes()
 
     def killed_midway(obj, f, *args, **kwargs) -> None:
@@ -106,14 +105,14 @@ def test_a_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> 
 
     monkeypatch.setattr(torch, "save", killed_midway)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, dist, model, optimizer, scaler, step=2)
+        checkpoint.save(tmp_path, dist, model, optimizer, scaler, step=2, run_state={})
     assert (tmp_path / "checkpoint.pt").read_bytes() == good
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
     assert checkpoint.read(tmp_path)["step"] == 1
 
 
 def test_resume_without_a_checkpoint_says_what_to_do(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match="no checkpoint at .*Point hydra.run.dir"):
+    with pytest.raises(FileNotFoundError, match="holds no run to continue.*point hydra.run.dir"):
         train(tiny_cfg("train.resume=true"), tmp_path)
 
 

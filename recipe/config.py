@@ -1,0 +1,229 @@
+"""The run's configuration: checked before any work, saved in the run folder, and on resume
+rebuilt from what was saved plus what the command line changes.
+
+- `validate(cfg)`: every number and choice the trainer reads, with its allowed range; a bad one
+  fails at once naming the key, the range and the value.
+- `save(run_dir, cfg, overrides)` writes `config.yaml` (the resolved config, with the model's
+  real shape, also for a pretrained start) and `overrides.yaml` (the command line that built it).
+- `for_resume(run_dir, overrides)`: the saved command line with the new overrides on top, composed
+  again by Hydra; what changed is printed, and changes that would make the checkpoint meaningless
+  (the model's shape, the corpus, the seed) are refused naming both values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from recipe.distributed import log
+
+CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+@dataclasses.dataclass(frozen=True)
+class Number:
+    """An integer or real setting and its allowed range."""
+
+    integer: bool
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is not allowed
+    high_open: bool = False
+    nullable: bool = False
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        bounds = []
+        if self.low is not None:
+            bounds.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            bounds.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        text = f"{kind} {' and '.join(bounds)}".strip()
+        return text + (" (or null)" if self.nullable else "")
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.nullable
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if self.integer and not isinstance(value, int):
+            return False
+        if math.isnan(value):
+            return False
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return self.high is None or not (
+            value > self.high or (self.high_open and value == self.high)
+        )
+
+
+def count(low: int = 1, nullable: bool = False) -> Number:
+    return Number(integer=True, low=low, nullable=nullable)
+
+
+def positive(nullable: bool = False) -> Number:
+    return Number(integer=False, low=0, low_open=True, nullable=nullable)
+
+
+NUMBERS: dict[str, Number] = {
+    "train.max_steps": count(1),
+    "train.batch_size": count(1),
+    "train.lr": positive(),
+    "train.min_lr": Number(integer=False, low=0),
+    "train.warmup_steps": count(0),
+    "train.weight_decay": Number(integer=False, low=0),
+    "train.beta1": Number(integer=False, low=0, high=1, high_open=True),
+    "train.beta2": Number(integer=False, low=0, high=1, high_open=True),
+    "train.grad_clip": positive(),
+    "train.seed": count(0),
+    "train.log_interval": count(1),
+    "train.eval_interval": count(1),
+    "train.eval_sequences": count(1),
+    "train.checkpoint_interval": count(0),
+    "train.max_bad_steps": count(1),
+    "perf.warmup_steps": count(0),
+    "perf.peak_tflops": positive(nullable=True),
+    "sample.num_samples": count(0),
+    "sample.max_new_tokens": count(1),
+    "sample.temperature": positive(),
+    "sample.top_k": count(1, nullable=True),
+    "model.n_layer": count(1),
+    "model.n_head": count(1),
+    "model.n_embd": count(1),
+    "model.block_size": count(1),
+    "model.vocab_size": count(1),
+    "model.pad_vocab_to": count(1),
+    "model.dropout": Number(integer=False, low=0, high=1, high_open=True),
+    "data.val_fraction": Number(integer=False, low=0, high=1, low_open=True, high_open=True),
+    "data.num_proc": count(1, nullable=True),
+}
+CHOICES: dict[str, tuple] = {
+    "device": ("auto", "cpu", "cuda"),
+    "wandb.mode": ("auto", "online", "offline", "disabled"),
+    "train.resume": (True, False),
+    "model.bias": (True, False),
+}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Refuses the first bad setting, naming the key, what it must be and what it is."""
+    for key, rule in NUMBERS.items():
+        value = OmegaConf.select(cfg, key)
+        if not rule.accepts(value):
+            raise ValueError(f"{key} must be {rule.describe()}, got {value!r}")
+    for key, options in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in options or type(value) is not type(options[0]):
+            raise ValueError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
+    train = cfg.train
+    if train.min_lr > train.lr:
+        raise ValueError(f"train.min_lr={train.min_lr} exceeds train.lr={train.lr}")
+    if cfg.model.n_embd % cfg.model.n_head:
+        raise ValueError(
+            f"model.n_embd={cfg.model.n_embd} must be divisible by model.n_head={cfg.model.n_head}"
+        )
+
+
+# ---- the run folder's copy of the configuration, and resuming from it
+
+# Settings a resumed run may not change: the checkpoint would not fit them (the model's shape) or
+# would mean something else (the corpus the data position points into, the seeded data order).
+FROZEN = (
+    "model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size",
+    "model.pad_vocab_to", "model.bias", "data.name", "data.source", "data.files", "data.hub",
+    "train.seed",
+)  # fmt: skip
+
+
+def resolved(cfg: DictConfig, model_config: Any) -> dict[str, Any]:
+    """The config as plain data, with the model's real shape (a GPTConfig: for a pretrained
+    start it comes from the weights, not from the preset)."""
+    out = OmegaConf.to_container(cfg, resolve=True)
+    shape = dataclasses.asdict(model_config)
+    out["model"].update({k: v for k, v in shape.items() if k in out["model"]})
+    return out
+
+
+def save(run_dir: Path, resolved_cfg: dict[str, Any], overrides: list[str]) -> None:
+    """Writes `config.yaml` (what ran) and `overrides.yaml` (the command line that built it)."""
+    OmegaConf.save(OmegaConf.create(resolved_cfg), run_dir / CONFIG_FILE)
+    OmegaConf.save(OmegaConf.create(overrides), run_dir / OVERRIDES_FILE)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Hydra's composition of conf/config.yaml with `overrides`, inside or outside a Hydra app."""
+    if GlobalHydra.instance().is_initialized():
+        return hydra.compose(config_name="config", overrides=overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra.compose(config_name="config", overrides=overrides)
+
+
+def for_resume(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[str]]:
+    """The resumed run's config: its saved command line with `overrides` on top, and that
+    command line (which the run folder then records)."""
+    path = run_dir / OVERRIDES_FILE
+    if not path.exists():
+        raise FileNotFoundError(
+            f"train.resume=true, but {run_dir} holds no run to continue (no {OVERRIDES_FILE}): "
+            "point hydra.run.dir at the folder of the run, or drop train.resume to start afresh"
+        )
+    merged = merge_overrides(list(OmegaConf.load(path)), overrides)
+    cfg = compose([*merged, "train.resume=true"])
+    return cfg, merged
+
+
+def merge_overrides(saved: list[str], new: list[str]) -> list[str]:
+    """The saved command line with the new one on top: a key given again replaces its old value;
+    `train.resume` itself is not kept."""
+
+    def key(override: str) -> str:
+        return override.split("=", 1)[0].lstrip("+~")
+
+    new = [o for o in new if key(o) != "train.resume"]
+    replaced = {key(o) for o in new}
+    return [o for o in saved if key(o) not in replaced] + new
+
+
+def differences(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """Leaf keys whose values differ between two nested dicts: {key: (old, new)}."""
+    out = {}
+    for k in sorted(set(old) | set(new), key=str):
+        a, b = old.get(k), new.get(k)
+        name = f"{prefix}{k}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out |= differences(a, b, name + ".")
+        elif a != b:
+            out[name] = (a, b)
+    return out
+
+
+def check_resume(saved: dict, cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
+    """Compares the resumed run's config with the checkpoint's: prints what changes, refuses
+    changes to the frozen settings naming both values. Returns the changes."""
+    current = OmegaConf.to_container(cfg, resolve=True)
+    changes = {
+        k: v for k, v in differences(saved, current).items() if not k.startswith("train.resume")
+    }
+    pretrained = saved["model"].get("pretrained") and current["model"].get("pretrained")
+    for key in FROZEN:
+        if pretrained and key.startswith("model."):
+            continue  # the shape comes from the weights, checked against the checkpoint later
+        hits = [k for k in changes if k == key or k.startswith(key + ".")]
+        if hits:
+            old, new = changes[hits[0]]
+            raise ValueError(
+                f"train.resume: {hits[0]} was {old!r} in the saved run and is {new!r} now; a "
+                "resumed run cannot change it (start a new run folder instead)"
+            )
+    for key, (old, new) in changes.items():
+        if not (pretrained and key.startswith("model.")):
+            log(f"[resume] {key}: {old!r} -> {new!r}")
+    return changes

@@ -1,0 +1,75 @@
+"""The non-finite guard: a step whose loss or gradient norm is NaN or infinite is skipped (the
+weights and the optimizer state stay as they were), counted and logged; `train.max_bad_steps`
+such steps in a row stop the run with an error that names the step and what to try.
+
+It adds no host-device synchronisation where the optimizer can skip on a device flag: fused AdamW
+reads `found_inf` itself (as it does for the GradScaler), and float16's GradScaler already skips
+steps whose gradients overflowed. The for-loop and foreach implementations cannot, so for them
+the guard reads the flag on the host once a step (one sync; use +opt=fused to avoid it).
+Across ranks the flag is reduced, so every rank skips the same steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as torch_dist
+
+from recipe.distributed import Distributed
+
+
+class NonFiniteSteps(RuntimeError):
+    """Too many consecutive non-finite steps: the run cannot go on."""
+
+
+class NonFiniteGuard:
+    def __init__(self, device: torch.device, dist: Distributed, max_bad_steps: int) -> None:
+        self.dist, self.max_bad_steps = dist, max_bad_steps
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # since the start
+        self.in_a_row = torch.zeros((), dtype=torch.int64, device=device)
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+    ) -> None:
+        """The optimizer step, unless `loss` (this rank's) or `grad_norm` (global) is not finite.
+        Call it after `scaler.unscale_` and clipping, in place of `scaler.step(optimizer)`."""
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        if self.dist.enabled and bad.is_cuda:  # a NaN loss on one rank skips the step on all
+            bad = bad.to(torch.int32)
+            torch_dist.all_reduce(bad, op=torch_dist.ReduceOp.MAX)
+            bad = bad.bool()
+        elif self.dist.enabled:
+            bad = torch.tensor(self.dist.any(bool(bad)))
+        if scaler.is_enabled():
+            # The scaler skips on overflowing gradients by itself; a non-finite loss with finite
+            # gradients (an infinite target logit) must skip too: fold the flag into the scaler's
+            # own per-device verdicts, which `step` reads (and `update` then lowers the scale).
+            verdicts = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            for found_inf in verdicts.values():
+                torch.maximum(found_inf, bad.to(found_inf), out=found_inf)
+            scaler.step(optimizer)
+            scaler.update()
+        elif optimizer.defaults.get("fused"):
+            optimizer.found_inf = bad.float()  # fused AdamW skips on this flag, on the device
+            optimizer.step()
+            del optimizer.found_inf
+        elif not bad.item():  # the for-loop/foreach kernels have no such flag: one sync
+            optimizer.step()
+        self.skipped += bad
+        self.in_a_row = (self.in_a_row + 1) * bad
+
+    def check(self, step: int, scale: float | None) -> dict[str, int]:
+        """At a log point (a sync): the count so far, or an error if too many in a row."""
+        skipped, in_a_row = int(self.skipped), int(self.in_a_row)
+        if in_a_row >= self.max_bad_steps:
+            scaled = f" (float16 loss scale now {scale:g})" if scale else ""
+            raise NonFiniteSteps(
+                f"step {step}: the last {in_a_row} steps had a non-finite loss or gradient and "
+                f"were skipped{scaled}; train.max_bad_steps={self.max_bad_steps}. The weights are "
+                "those of the last good step. Try a lower train.lr, +opt=amp with "
+                "opt.amp.dtype=bfloat16 instead of float16, or a lower train.grad_clip."
+            )
+        return {"train/skipped_steps": skipped}
