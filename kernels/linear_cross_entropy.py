@@ -67,14 +67,19 @@ def _cross_entropy_rows_torch_(
     logits.copy_(grad)
 
 
-def _add_weight_grad_(acc: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """acc += grad_logits^T @ hidden: products in the compute dtype, sums in float32."""
+def _add_weight_grad_(
+    acc: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor, first: bool
+) -> None:
+    """acc += grad_logits^T @ hidden (acc = ... for the first chunk: acc is uninitialised and
+    beta=0 neither reads it nor propagates its NaNs); products in the compute dtype, sums in
+    float32."""
+    beta = 0.0 if first else 1.0
     if grad_logits.dtype == acc.dtype:
-        acc.addmm_(grad_logits.t(), hidden)
+        acc.addmm_(grad_logits.t(), hidden, beta=beta)
     elif acc.is_cuda:  # cuBLAS reads the float32 C and accumulates into it (torch >= 2.8)
-        torch.addmm(acc, grad_logits.t(), hidden, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, grad_logits.t(), hidden, beta=beta, out_dtype=acc.dtype, out=acc)
     else:  # no out_dtype kernel on the CPU: a float32 matmul (the reference path, small shapes)
-        acc.addmm_(grad_logits.t().float(), hidden.float())
+        acc.addmm_(grad_logits.t().float(), hidden.float(), beta=beta)
 
 
 def chunked_linear_cross_entropy(
@@ -97,7 +102,7 @@ def chunked_linear_cross_entropy(
     logits_buffer = hidden.new_empty(chunk, weight.shape[0])
     if with_grads:
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
     else:
         grad_hidden, grad_weight = hidden.new_empty(0), weight.new_empty(0, dtype=torch.float32)
     for start in range(0, n, chunk):
@@ -106,7 +111,7 @@ def chunked_linear_cross_entropy(
         rows_kernel(logits, t, losses[start : start + chunk], vocab_size, with_grads)
         if with_grads:  # logits now holds the gradient of the chunk's summed loss
             torch.mm(logits, weight, out=grad_hidden[start : start + chunk])
-            _add_weight_grad_(grad_weight, logits, h)
+            _add_weight_grad_(grad_weight, logits, h, first=start == 0)
     return losses.sum() / n, grad_hidden, grad_weight
 
 
