@@ -76,8 +76,15 @@ def _add_weight_grad_(
     beta = 0.0 if first else 1.0
     if grad_logits.dtype == acc.dtype:
         acc.addmm_(grad_logits.t(), hidden, beta=beta)
-    elif acc.is_cuda:  # cuBLAS reads the float32 C and accumulates into it (torch >= 2.8)
-        torch.addmm(acc, grad_logits.t(), hidden, beta=beta, out_dtype=acc.dtype, out=acc)
+    elif acc.is_cuda:
+        try:  # cuBLAS accumulates into the float32 C in place
+            torch.addmm(acc, grad_logits.t(), hidden, beta=beta, out_dtype=acc.dtype, out=acc)
+        except RuntimeError:  # builds whose addmm(out_dtype) wants C in the inputs' dtype
+            part = torch.mm(grad_logits.t(), hidden, out_dtype=acc.dtype)
+            if first:
+                acc.copy_(part)
+            else:
+                acc.add_(part)
     else:  # no out_dtype kernel on the CPU: a float32 matmul (the reference path, small shapes)
         acc.addmm_(grad_logits.t().float(), hidden.float(), beta=beta)
 
