@@ -22,8 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
-LN2 = 0.6931471805599453
+# exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction. (Globals used in a kernel
+# must be constexpr.)
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -56,8 +58,8 @@ def _cross_entropy_rows_kernel(
             grad = tl.where(cols == target, p - 1.0, p)
             tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=inside)
     else:
-        row_max = tl.full((), float("-inf"), tl.float32)
-        total = tl.full((), 0.0, tl.float32)
+        row_max = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
         for start in range(0, N_COLS, BLOCK):
             c = start + cols
             x = tl.load(row_ptr + c, mask=c < N_COLS, other=float("-inf")).to(tl.float32) * LOG2E
