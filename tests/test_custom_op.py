@@ -288,6 +288,23 @@ def test_compiled_training_with_the_stage_matches_eager(tmp_path) -> None:
     torch._dynamo.reset()
 
 
+def test_the_benchmark_harness_runs_and_reports(tmp_path) -> None:
+    """scripts/bench_head.py is a GPU benchmark; on the CPU its harness (variants, errors against
+    the plain head, reports, a failing variant recorded rather than fatal) still runs."""
+    spec = importlib.util.spec_from_file_location("bench_head", ROOT / "scripts/bench_head.py")
+    bench_head = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_head)
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--tokens", "16", "--width", "8",
+            "--repeats", "1", "--no-compile"]  # fmt: skip
+    report = bench_head.main(argv)
+    rows = {r["variant"]: r for r in report["head"]}
+    assert rows["eager plain head"]["rel_error"]["loss"] == 0
+    fused = [r for name, r in rows.items() if name.startswith("op ")]
+    assert len(fused) == 11 and all(max(r["rel_error"].values()) < 1e-2 for r in fused)
+    assert json.loads((tmp_path / "head_op.json").read_text())["head"] == report["head"]
+    assert "| eager plain head |" in (tmp_path / "head_op.md").read_text()
+
+
 # ---- the Triton kernel itself, through Triton's interpreter on the CPU
 
 
@@ -412,20 +429,3 @@ def test_compiled_training_step_with_the_stage_on_the_gpu(tmp_path) -> None:
     )
     assert peaks["fused"] < peaks["plain"], peaks
     torch._dynamo.reset()
-
-
-def test_the_benchmark_harness_runs_and_reports(tmp_path) -> None:
-    """scripts/bench_head.py is a GPU benchmark; on the CPU its harness (variants, errors against
-    the plain head, reports, a failing variant recorded rather than fatal) still runs."""
-    spec = importlib.util.spec_from_file_location("bench_head", ROOT / "scripts/bench_head.py")
-    bench_head = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_head)
-    argv = ["--out", str(tmp_path), "--device", "cpu", "--tokens", "16", "--width", "8",
-            "--repeats", "1", "--no-compile"]  # fmt: skip
-    report = bench_head.main(argv)
-    rows = {r["variant"]: r for r in report["head"]}
-    assert rows["eager plain head"]["rel_error"]["loss"] == 0
-    fused = [r for name, r in rows.items() if name.startswith("op ")]
-    assert len(fused) == 11 and all(max(r["rel_error"].values()) < 1e-2 for r in fused)
-    assert json.loads((tmp_path / "head_op.json").read_text())["head"] == report["head"]
-    assert "| eager plain head |" in (tmp_path / "head_op.md").read_text()
