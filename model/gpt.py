@@ -8,12 +8,16 @@ Hugging Face weights is a straight copy. Attention goes through
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# A fused head + loss: (hidden (N, C), head weight (V, C), targets (N,)) -> the mean loss.
+FusedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -103,6 +107,9 @@ class GPT(nn.Module):
         pad_mask = torch.zeros(config.padded_vocab_size)
         pad_mask[config.vocab_size :] = float("-inf")
         self.register_buffer("vocab_pad_mask", pad_mask, persistent=False)
+        # +opt=custom_op: one fused operator in place of the logits and the cross-entropy when
+        # there are targets (opt/custom_op.py). None: the plain head.
+        self.fused_loss: FusedLoss | None = None
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) at init.
         for name, p in self.named_parameters():
@@ -143,6 +150,8 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The final norm and the tied vocabulary projection: logits, or the loss given targets."""
         x = self.transformer.ln_f(x)
+        if targets is not None and self.fused_loss is not None:
+            return None, self.fused_loss(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         logits = F.linear(x, self.lm_head.weight, self.vocab_pad_mask.to(x.dtype))
         if targets is None:
             return logits[..., : self.config.vocab_size], None

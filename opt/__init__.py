@@ -6,10 +6,12 @@ order, whatever order they were listed in:
     input     workers -> non_blocking        how batches reach the GPU
     numerics  tf32 -> amp                    the precision the step runs in
     optimizer forloop | foreach | fused      AdamW's implementation
-    model     ac -> compile -> ddp | fsdp    checkpointing is applied first so that compile
-                                             traces the recomputation; compile works on the
-                                             plain module, before the data-parallel wrappers
-                                             hook into its parameters and gradients.
+    model     custom_op -> ac -> compile     the fused head + loss replaces a piece of the model
+              -> ddp | fsdp                  before anything wraps it; checkpointing is applied
+                                             before compile so that compile traces the
+                                             recomputation; compile works on the plain module,
+                                             before the data-parallel wrappers hook into its
+                                             parameters and gradients.
 
 To add a stage: a yaml file with its knobs nested under its own name, a module with its
 `apply_*` function, its name in ORDER, and its call below.
@@ -31,6 +33,7 @@ from opt.accum import apply_accum, gradient_sync
 from opt.amp import apply_amp
 from opt.bs import apply_bs
 from opt.compile import apply_compile
+from opt.custom_op import apply_custom_op
 from opt.ddp import apply_ddp
 from opt.fsdp import apply_fsdp
 from opt.non_blocking import apply_non_blocking
@@ -44,7 +47,7 @@ ORDER = (
     "workers", "non_blocking",
     "tf32", "amp",
     *IMPLEMENTATIONS,
-    "ac", "compile", "ddp", "fsdp",
+    "custom_op", "ac", "compile", "ddp", "fsdp",
 )  # fmt: skip
 
 __all__ = ["ORDER", "Plan", "apply_model_stages", "gradient_sync", "plan"]
@@ -146,6 +149,8 @@ def apply_model_stages(
 
     `model` itself stays the plain module (changed in place), for checkpoints and sampling.
     A multi-process run without +opt=fsdp uses DDP with PyTorch's defaults."""
+    if "custom_op" in p.stages:
+        apply_custom_op(model, opt.custom_op)
     if "ac" in p.stages:
         apply_ac(model, opt.ac)
     if "compile" in p.stages:

@@ -53,8 +53,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("distributed")
     train(tiny_cfg(*RUN, "train.batch_size=4"), root / "single")
     out = {"single": root / "single"}
-    launches = [("ddp", []), ("fsdp", ["+opt=fsdp"]), ("ddp_accum", ["+opt=[ddp,accum]"]),
-                ("fsdp_accum", ["+opt=[fsdp,accum]"])]  # fmt: skip
+    launches = [
+        ("ddp", []),
+        ("fsdp", ["+opt=fsdp"]),
+        ("ddp_accum", ["+opt=[ddp,accum]"]),
+        ("fsdp_accum", ["+opt=[fsdp,accum]"]),
+        ("fsdp_custom_op", ["+opt=[fsdp,custom_op]", "opt.custom_op.chunk_size=48"]),
+    ]
     for name, stages in launches:
         stdout = _torchrun(
             "train.py", *TINY, *RUN, "train.batch_size=2", *stages, f"hydra.run.dir={root / name}"
@@ -85,6 +90,14 @@ def test_ddp_matches_one_process_with_twice_the_batch(runs) -> None:
 def test_accumulation_across_processes_matches_too(runs, name: str) -> None:
     for key, values in _metrics(runs["single"]).items():
         torch.testing.assert_close(_metrics(runs[name])[key], values, rtol=RTOL[key], atol=0)
+
+
+def test_fsdp_with_the_fused_head_matches_one_process(runs) -> None:
+    for key, values in _metrics(runs["single"]).items():
+        torch.testing.assert_close(
+            _metrics(runs["fsdp_custom_op"])[key], values, rtol=RTOL[key], atol=0
+        )
+    assert "[opt] custom_op" in (runs["fsdp_custom_op"] / "stdout.txt").read_text()
 
 
 def test_fsdp_matches_ddp(runs) -> None:
