@@ -24,6 +24,7 @@ from kernels import linear_cross_entropy
 from model import GPT, GPTConfig
 from opt.custom_op import apply_custom_op
 from recipe.distributed import Distributed
+from recipe.guard import NonFiniteGuard
 from train import train, train_step
 
 CPU = torch.device("cpu")
@@ -139,7 +140,9 @@ def test_accumulation_gives_the_full_batch_loss_and_gradients() -> None:
         opt.apply_model_stages(model, make_cfg(*overrides).opt, plan, SINGLE)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # gradients only
         scaler = plan.grad_scaler(CPU)
-        losses, norm = train_step(model, optimizer, scaler, batch[:, :-1], batch[:, 1:], plan, 1e9)
+        guard = NonFiniteGuard(CPU, SINGLE, max_bad_steps=10)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        losses, norm = train_step(model, optimizer, scaler, inputs, targets, plan, 1e9, guard)
         results.append((losses / plan.micro_steps, norm))
     (full_loss, full_norm), (accum_loss, accum_norm) = results
     torch.testing.assert_close(accum_loss, full_loss, rtol=1e-6, atol=0)
