@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from data.prepare import SPLITS, cache_folder, prepare, read_meta
 from data.sampler import StepSampler
 from data.windows import RandomTokens, TextWindows, TokenWindows
+from data.workers import WorkerInit
 
 LOADERS = ("memmap", "text")
 __all__ = [
@@ -76,6 +77,9 @@ def _loader_kwargs(options: LoaderOptions) -> dict:
         "prefetch_factor": options.prefetch_factor if workers else None,
         "persistent_workers": workers > 0,
         "pin_memory": options.pin_memory,
+        # Workers ignore the process group's SIGTERM/SIGINT (the trainer decides when to stop,
+        # and saves a checkpoint first) and die with the trainer: data.workers.
+        "worker_init_fn": WorkerInit() if workers else None,
     }
 
 
