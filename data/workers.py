@@ -121,3 +121,29 @@ def hardened_forks() -> Iterator[None]:
         yield
     finally:
         _hardening = previous
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside the block, SIGTERM raises SystemExit(143) where it would otherwise kill the process
+    outright, so that `finally` clauses and context managers clean up (a half-written folder, a
+    process pool). A handler someone else installed (the trainer's) is left alone."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    received: list[int] = []
+
+    def _raise(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    except BaseException as e:
+        if received and not isinstance(e, SystemExit):  # replaced on its way out (datasets'
+            raise SystemExit(128 + received[0]) from e  # pool raises a TimeoutError instead)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
