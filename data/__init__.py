@@ -15,19 +15,23 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
-from data.prepare import SPLITS, cache_folder, prepare, read_meta
+from data.config import check_config
+from data.prepare import SPLITS, cache_folder, prepare, read_meta, verify
 from data.sampler import StepSampler
+from data.tokenizer import VOCAB_SIZE
 from data.windows import RandomTokens, TextWindows, TokenWindows
+from data.workers import WorkerInit
 
-LOADERS = ("memmap", "text")
 __all__ = [
     "DeviceBatches",
     "LoaderOptions",
     "StepSampler",
     "build_eval_loader",
     "build_loader",
+    "check_config",
     "load_splits",
     "prepare",
+    "verify",
 ]
 
 
@@ -42,19 +46,21 @@ class LoaderOptions:
     non_blocking: bool = False
 
 
-def load_splits(cfg: DictConfig, *, block_size: int, seed: int) -> dict[str, Dataset]:
-    """The train and val window datasets of a prepared corpus."""
+def load_splits(
+    cfg: DictConfig, *, block_size: int, seed: int, vocab_size: int = VOCAB_SIZE
+) -> dict[str, Dataset]:
+    """The train and val window datasets of a prepared corpus, after checking its files.
+    `vocab_size` is the model's: no window holds an id at or above it."""
+    check_config(cfg)
     if cfg.source == "synthetic":
         return {s: RandomTokens(block_size, seed + n, cfg.vocab_size) for n, s in enumerate(SPLITS)}
-    if cfg.loader not in LOADERS:
-        raise ValueError(f"data.loader={cfg.loader!r}: choose one of {', '.join(LOADERS)}")
     folder = cache_folder(cfg)
     splits: dict[str, Dataset] = {}
     for split in SPLITS:
         if cfg.loader == "memmap":
             counts = read_meta(folder, split, "bin")
             splits[split] = TokenWindows(
-                folder / f"{split}.bin", block_size, seed, counts["tokens"]
+                folder / f"{split}.bin", block_size, seed, counts["tokens"], vocab_size
             )
         else:
             counts = read_meta(folder, split, "txt")
@@ -76,6 +82,9 @@ def _loader_kwargs(options: LoaderOptions) -> dict:
         "prefetch_factor": options.prefetch_factor if workers else None,
         "persistent_workers": workers > 0,
         "pin_memory": options.pin_memory,
+        # Workers ignore the process group's SIGTERM/SIGINT (the trainer decides when to stop,
+        # and saves a checkpoint first) and die with the trainer: data.workers.
+        "worker_init_fn": WorkerInit() if workers else None,
     }
 
 

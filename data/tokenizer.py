@@ -17,6 +17,7 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import r50k_pat_str
 
 EOT = 50256  # <|endoftext|>, the document separator
+VOCAB_SIZE = 50257  # GPT-2's ids are [0, VOCAB_SIZE): the BPE merges, then <|endoftext|>
 VOCAB_SHA256 = {
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",

@@ -25,10 +25,15 @@ def _epoch_offset(seed: int, epoch: int, stride: int) -> int:
 
 
 class TokenWindows(Dataset):
-    """Windows over a pre-tokenized uint16 file, read through a memmap (nanoGPT style)."""
+    """Windows over a pre-tokenized uint16 file, read through a memmap (nanoGPT style). A window
+    holding an id at or above `vocab_size` (a corrupted file) is refused: the model would index
+    past its embedding, or train towards a padding row's infinite loss."""
 
-    def __init__(self, path: Path, block_size: int, seed: int, num_tokens: int) -> None:
+    def __init__(
+        self, path: Path, block_size: int, seed: int, num_tokens: int, vocab_size: int
+    ) -> None:
         self.path, self.block_size, self.seed = path, block_size, seed
+        self.vocab_size = vocab_size
         self.items_per_epoch = (num_tokens - 2 * block_size) // block_size
         if self.items_per_epoch < 1:
             raise ValueError(
@@ -46,6 +51,13 @@ class TokenWindows(Dataset):
         epoch, i = divmod(sample_id, self.items_per_epoch)
         start = _epoch_offset(self.seed, epoch, self.block_size) + i * self.block_size
         window = self._tokens[start : start + self.block_size + 1]
+        if window.max() >= self.vocab_size:
+            at = start + int(np.argmax(window >= self.vocab_size))
+            raise ValueError(
+                f"{self.path} is corrupt: token {at} is {self._tokens[at]}, outside the model's "
+                f"vocabulary [0, {self.vocab_size}): delete {self.path.parent} and run again: it "
+                "is prepared automatically on first use"
+            )
         return torch.from_numpy(window.astype(np.int64))
 
 

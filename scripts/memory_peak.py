@@ -3,12 +3,17 @@ allocated it: the text version of pytorch.org/memory_viz, for finding out why a 
 lower the peak.
 
     python scripts/memory_peak.py outputs/.../memory_snapshot.pickle [--top 12]
+
+A snapshot is a pickle, and unpickling can run any code the file names: the file is read with an
+unpickler that refuses everything but the plain data a snapshot holds.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import pickle
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,6 +27,33 @@ def _site(frames: list[dict]) -> str:
         if any(part in frame["filename"] for part in OURS):
             return f"{Path(frame['filename']).name}:{frame['line']} {frame['name']}"
     return frames[0]["name"] if frames else "?"
+
+
+class SnapshotUnpickler(pickle.Unpickler):
+    """Unpickles plain data only. `torch.cuda.memory._dump_snapshot` pickles the dict that
+    `torch.cuda.memory._snapshot()` returns: dicts, lists, tuples, str, int, float, bool and None,
+    which pickle writes as opcodes of their own. Anything else is named by its module and class
+    (`find_class`), and that is how a crafted file calls `os.system`: so nothing is found."""
+
+    def find_class(self, module: str, name: str) -> object:
+        raise pickle.UnpicklingError(
+            f"it names {module}.{name}, which a CUDA memory snapshot never holds (it could run "
+            "code): refusing to unpickle it"
+        )
+
+
+def load_snapshot(path: Path) -> dict:
+    """The snapshot in `path`, read with the restricted unpickler; ValueError if it is not one."""
+    try:
+        snapshot = SnapshotUnpickler(io.BytesIO(path.read_bytes())).load()
+    except Exception as e:  # a damaged pickle fails in many ways; none of them ran code
+        raise ValueError(f"{path} is not a CUDA memory snapshot: {e}") from e
+    if not isinstance(snapshot, dict) or "device_traces" not in snapshot:
+        raise ValueError(
+            f"{path} is not a CUDA memory snapshot (no device_traces): pass the "
+            "memory_snapshot.pickle that +prof=memory writes"
+        )
+    return snapshot
 
 
 def peak(snapshot: dict, device: int = 0) -> tuple[int, dict[str, int]]:
@@ -49,7 +81,11 @@ def main() -> None:
     parser.add_argument("snapshot", type=Path)
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
-    top, sites = peak(pickle.loads(args.snapshot.read_bytes()))
+    try:
+        snapshot = load_snapshot(args.snapshot)
+    except (OSError, ValueError) as e:
+        sys.exit(f"memory_peak.py: {e}")
+    top, sites = peak(snapshot)
     print(f"peak of live tensors: {top / GiB:.2f} GiB, of which:")
     for site, size in sorted(sites.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {size / GiB:7.2f} GiB  {site}")

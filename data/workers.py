@@ -1,0 +1,149 @@
+"""Worker-process hygiene, in one place for the DataLoader's workers and for the processes that
+`datasets` starts while a corpus is prepared (`map(num_proc=...)`'s pool and its manager).
+
+A scheduler (Slurm, Kubernetes, torchrun's agent) stops a job by signalling its whole process
+group. If the workers obeyed, they would die before the trainer could save a checkpoint (the
+trainer then fails with "DataLoader worker ... killed by signal"). So a hardened worker:
+
+- ignores SIGTERM and SIGINT from anyone but its parent: the parent decides when to stop.
+  Its own SIGTERM still works (how a DataLoader or a `multiprocess` pool ends its workers
+  when joining them times out or the pool is terminated).
+- dies with its parent (Linux `PR_SET_PDEATHSIG`): a trainer killed outright (SIGKILL, out of
+  memory) leaves no orphaned worker holding gigabytes.
+
+Telling the parent's signals from others' needs the sender's pid, which only `sigwaitinfo` gives:
+the worker blocks both signals and a thread waits for them. Processes that a worker itself
+starts inherit the blocked signals (the trainer's workers start none). Where `sigwaitinfo` is
+missing (macOS), a worker ignores Ctrl-C only, and the parent-death signal is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (a zombie counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+def harden_worker(parent_pid: int) -> None:
+    """Makes this process (a worker of `parent_pid`) die with its parent and obey stop signals
+    from its parent only. Call it first thing in the worker."""
+    _die_with_parent(parent_pid)
+    if not hasattr(signal, "sigwaitinfo"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return
+    for sig in STOP_SIGNALS:  # a signal from the parent does what it does by default: end us
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # threads started later inherit it
+    threading.Thread(
+        target=_screen_stop_signals, args=(parent_pid,), name="stop-signals", daemon=True
+    ).start()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if not process_alive(parent_pid):  # it died before the prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _screen_stop_signals(parent_pid: int) -> None:
+    """Drops SIGTERM/SIGINT unless the parent sent it; the parent's one ends the process."""
+    while True:
+        info = signal.sigwaitinfo(STOP_SIGNALS)
+        if info.si_pid == parent_pid:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [info.si_signo])  # this thread only
+            os.kill(os.getpid(), info.si_signo)  # delivered here at once: the default action
+            os._exit(128 + info.si_signo)  # the parent asked us to end, whatever happened above
+
+
+class WorkerInit:
+    """A DataLoader `worker_init_fn` that hardens each worker, then runs `then` (another
+    worker_init_fn) if given. Built in the training process, which it records as the parent."""
+
+    def __init__(self, then: Callable[[int], None] | None = None) -> None:
+        self.parent_pid = os.getpid()
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        harden_worker(self.parent_pid)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+# Data preparation cannot hand `datasets` an initializer for the processes it starts (the map's
+# pool, the manager serving its progress queue, load_dataset's builders): a fork hook hardens
+# every process forked, by any thread, while `hardened_forks()` is active. (`datasets` forks:
+# `multiprocess` uses the fork start method on Linux.)
+_hardening = False
+_forking_pid = 0
+
+
+def _before_fork() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    if _hardening:
+        harden_worker(_forking_pid)
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def hardened_forks() -> Iterator[None]:
+    """Hardens the processes forked inside the block (see `harden_worker`)."""
+    global _hardening
+    previous, _hardening = _hardening, True
+    try:
+        yield
+    finally:
+        _hardening = previous
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside the block, SIGTERM raises SystemExit(143) where it would otherwise kill the process
+    outright, so that `finally` clauses and context managers clean up (a half-written folder, a
+    process pool). A handler someone else installed (the trainer's) is left alone."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    received: list[int] = []
+
+    def _raise(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    except BaseException as e:
+        if received and not isinstance(e, SystemExit):  # replaced on its way out (datasets'
+            raise SystemExit(128 + received[0]) from e  # pool raises a TimeoutError instead)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
