@@ -23,7 +23,7 @@ import data
 import opt
 from data.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, rundir
+from recipe import checkpoint, config, distributed, launch, rundir
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import peak_flops
 from recipe.metrics import MetricLogger, StepTimer, memory_gib, summarize, throughput
@@ -160,7 +160,10 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     if dist.is_main:
         data.prepare(cfg.data)
     dist.barrier()
-    splits = data.load_splits(cfg.data, block_size=cfg.model.block_size, seed=cfg.train.seed)
+    splits = data.load_splits(
+        cfg.data, block_size=cfg.model.block_size, seed=cfg.train.seed,
+        vocab_size=cfg.model.vocab_size,
+    )  # fmt: skip
     loader_args = dict(
         rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed, options=plan.loader
     )
@@ -269,6 +272,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                 checkpoint.save(run_dir, dist, model, optimizer, scaler, step, run_state)
                 timer.start()
             if stopping:
+                launch.mark_saved_on_stop(dist.rank)  # for recipe/launch.py's exit code
                 break
 
     profiler.close()

@@ -22,6 +22,7 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
+import data
 from recipe.distributed import log
 
 CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
@@ -123,6 +124,17 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in options or type(value) is not type(options[0]):
             raise ValueError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
+    data.check_config(cfg.data)
+    if cfg.model.vocab_size < data.VOCAB_SIZE and cfg.data.source != "synthetic":
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than GPT-2's {data.VOCAB_SIZE} "
+            f"tokens, which data.source={cfg.data.source} produces: keep it at {data.VOCAB_SIZE}"
+        )
+    if cfg.data.source == "synthetic" and cfg.data.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"data.vocab_size={cfg.data.vocab_size} exceeds model.vocab_size="
+            f"{cfg.model.vocab_size}: random tokens must be ids the model can predict"
+        )
     train = cfg.train
     if train.min_lr > train.lr:
         raise ValueError(f"train.min_lr={train.min_lr} exceeds train.lr={train.lr}")
