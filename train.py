@@ -234,7 +234,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             if step % cfg.train.eval_interval == 0 or step == max_steps:
                 logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
                 timer.start()
-            stopping = dist.any(stop.requested)
+            stopping = dist.any_one_step_late(stop.requested)  # no barrier: agreed a step later
             every = cfg.train.checkpoint_interval
             if (every and (step % every == 0 or step == max_steps)) or stopping:
                 checkpoint.save(run_dir, dist, model, optimizer, scaler, step)
