@@ -156,10 +156,12 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     start_step = resumed["step"] if resumed else 0
     max_steps, log_interval = cfg.train.max_steps, cfg.train.log_interval
 
-    # ---- data: prepared once by rank 0; each rank reads its slice of every global batch
-    if dist.is_main:
+    # ---- data: prepared once per machine by its first process (atomic: a shared cache is
+    # safe too); the others wait on the CPU group, whose timeout outlasts a long preparation.
+    # Each rank then reads its slice of every global batch.
+    if dist.is_local_main:
         data.prepare(cfg.data)
-    dist.barrier()
+    dist.host_barrier()
     splits = data.load_splits(
         cfg.data, block_size=cfg.model.block_size, seed=cfg.train.seed,
         vocab_size=cfg.model.vocab_size,
@@ -266,7 +268,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
             if step % cfg.train.eval_interval == 0 or step == max_steps:
                 logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
                 timer.start()
-            stopping = dist.any(stop.requested)
+            stopping = dist.any_one_step_late(stop.requested)  # no barrier: agreed a step later
             every = cfg.train.checkpoint_interval
             if (every and (step % every == 0 or step == max_steps)) or stopping:
                 checkpoint.save(run_dir, dist, model, optimizer, scaler, step, run_state)

@@ -35,7 +35,7 @@ from opt.bs import apply_bs
 from opt.compile import apply_compile
 from opt.custom_op import apply_custom_op
 from opt.ddp import apply_ddp
-from opt.fsdp import apply_fsdp
+from opt.fsdp import apply_fsdp, pure_low_precision
 from opt.non_blocking import apply_non_blocking
 from opt.optimizer_impl import IMPLEMENTATIONS, apply_optimizer_impl
 from opt.tf32 import apply_tf32
@@ -63,6 +63,7 @@ class Plan:
     defer_reduce: bool = True  # reduce gradients over ranks after the last micro-step only
     loader: LoaderOptions = field(default_factory=LoaderOptions)
     amp_dtype: torch.dtype | None = None  # the amp stage's compute dtype; None: fp32
+    pure_low_precision: bool = False  # FSDP casts the parameters to amp_dtype: no autocast
     scale_loss: bool = False  # float16: scale the loss so that small gradients survive
     optimizer_kwargs: dict = field(default_factory=dict)
 
@@ -79,9 +80,9 @@ class Plan:
         return torch.amp.GradScaler(device.type, enabled=self.scale_loss)
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
-        """Autocast to the amp dtype; none under FSDP, whose MixedPrecisionPolicy casts the
-        parameters itself."""
-        if self.amp_dtype is None or "fsdp" in self.stages:
+        """Autocast to the amp dtype; none under FSDP with mixed_precision=pure, whose
+        MixedPrecisionPolicy casts the parameters itself."""
+        if self.amp_dtype is None or self.pure_low_precision:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.amp_dtype)
 
@@ -136,6 +137,7 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
     apply_tf32("tf32" in stages)  # sets (or resets) the global matmul precision
     if "amp" in stages:
         p.amp_dtype, p.scale_loss = apply_amp(opt.amp, device)
+        p.pure_low_precision = "fsdp" in stages and pure_low_precision(opt.fsdp)
     for impl in IMPLEMENTATIONS:
         if impl in stages:
             p.optimizer_kwargs = apply_optimizer_impl(impl, device)
@@ -148,15 +150,15 @@ def apply_model_stages(
     """Applies the model stages in their fixed order; returns the module to train with.
 
     `model` itself stays the plain module (changed in place), for checkpoints and sampling.
-    A multi-process run without +opt=fsdp uses DDP with PyTorch's defaults."""
+    A multi-process run without +opt=fsdp uses DDP with conf/opt/ddp.yaml's knobs."""
     if "custom_op" in p.stages:
         apply_custom_op(model, opt.custom_op)
     if "ac" in p.stages:
         apply_ac(model, opt.ac)
     if "compile" in p.stages:
-        apply_compile(model, opt.compile)
+        apply_compile(model, opt.compile, sharded="fsdp" in p.stages)
     if "fsdp" in p.stages:
         return apply_fsdp(model, opt.fsdp, dist, p.amp_dtype)
     if dist.enabled:
-        return apply_ddp(model, opt.get("ddp", {}), dist)
+        return apply_ddp(model, opt.get("ddp"), dist)
     return model

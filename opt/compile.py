@@ -2,15 +2,22 @@
 generates fused Triton (GPU) or C++ (CPU) kernels: fewer launches and fewer round trips of
 activations through memory.
 
-- scope=model compiles the whole forward (and the loss) as one graph: the most fusion.
+- scope=model compiles the whole forward (and the loss) as one graph: the most fusion. Under
+  DDP, compile's DDP optimizer splits that graph at the gradient buckets (opt.ddp.optimize_ddp).
+  Under FSDP, whose hooks run around every block, one graph cannot span the block loop (dynamo
+  would skip the whole forward and run it eagerly): the same code is compiled in the pieces
+  between those hooks instead, each block, `embed` and `head` (the final norm, the tied head
+  and the loss), each as one graph (fullgraph), as torchtitan does.
 - scope=block compiles each transformer block; the blocks share one compiled graph, which
   compiles faster and keeps the boundaries that DDP/FSDP overlap communication on.
-Both compile in place (`nn.Module.compile`): the module and its parameter names stay the same.
+Everything compiles in place (`nn.Module.compile` for the whole model, a method replaced on the
+instance for the pieces): the module and its parameter names stay the same.
 """
 
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 from omegaconf import DictConfig
 
 from recipe.distributed import log
@@ -19,12 +26,41 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 SCOPES = ("model", "block")
 
 
-def apply_compile(model: torch.nn.Module, cfg: DictConfig) -> None:
+def apply_compile(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False) -> None:
+    """Compiles `model` in place; `sharded`: FSDP will wrap it (compile it in pieces)."""
     if cfg.mode not in MODES:
         raise ValueError(f"opt.compile.mode={cfg.mode!r}: choose one of {', '.join(MODES)}")
     if cfg.scope not in SCOPES:
         raise ValueError(f"opt.compile.scope={cfg.scope!r}: choose one of {', '.join(SCOPES)}")
-    targets = [model] if cfg.scope == "model" else list(model.transformer.h)
-    for module in targets:
-        module.compile(mode=cfg.mode, fullgraph=cfg.fullgraph)
-    log(f"[opt] compile: mode={cfg.mode}, scope={cfg.scope}, fullgraph={cfg.fullgraph}")
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if cfg.backend not in backends:
+        raise ValueError(
+            f"opt.compile.backend={cfg.backend!r}: choose one of {', '.join(sorted(backends))}"
+        )
+    # Inductor's modes; other backends take none.
+    options = {"backend": cfg.backend, "mode": cfg.mode if cfg.backend == "inductor" else None}
+    if cfg.scope == "model" and not sharded:
+        model.compile(fullgraph=cfg.fullgraph, **options)
+        pieces = "the whole model"
+    elif cfg.scope == "model":
+        for block in model.transformer.h:
+            _compile_method(block, "forward", fullgraph=True, **options)
+        for method in ("embed", "head"):  # called by the model's own forward
+            _compile_method(model, method, fullgraph=True, **options)
+        pieces = "each block, embed and head (FSDP's hooks run between them), fullgraph"
+    else:
+        for block in model.transformer.h:
+            _compile_method(block, "forward", fullgraph=cfg.fullgraph, **options)
+        pieces = "each block"
+    log(
+        f"[opt] compile: {pieces}; mode={cfg.mode}, backend={cfg.backend}, scope={cfg.scope}, "
+        f"fullgraph={cfg.fullgraph}"
+    )
+
+
+def _compile_method(owner: object, name: str, **options: object) -> None:
+    """Replaces the bound method `owner.<name>` with its compiled version, on the instance.
+    A module's hooks (FSDP's) stay outside the graph, and a block's `forward` that activation
+    checkpointing replaced is traced through `checkpoint` (compiling the module itself would
+    start tracing inside torch's checkpoint code, capture nothing and run eagerly)."""
+    setattr(owner, name, torch.compile(getattr(owner, name), **options))

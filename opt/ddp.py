@@ -1,21 +1,88 @@
 """`+opt=ddp`: DistributedDataParallel. Every process holds the whole model and trains on its
 share of the batch; gradients are averaged with all-reduces that start, bucket by bucket, while
-backward is still running. A multi-process run without +opt=fsdp uses DDP with PyTorch's
-defaults; this stage exposes its knobs."""
+backward is still running.
+
+Any multi-process run without +opt=fsdp uses DDP, with the knobs of conf/opt/ddp.yaml (the one
+source of its settings, not PyTorch's defaults); +opt=ddp lets the command line change them.
+"""
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
+
 import torch
-from omegaconf import DictConfig
+import torch._dynamo
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from recipe.distributed import Distributed, log
 
+KNOBS = Path(__file__).resolve().parents[1] / "conf" / "opt" / "ddp.yaml"
+# Gradient compression for the all-reduce: the bucket is cast down, reduced, cast back.
+COMM_HOOKS = {
+    "none": None,
+    "bf16": default_hooks.bf16_compress_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+}
+# How a compiled model and DDP cooperate (torch._dynamo.config.optimize_ddp). Its third mode,
+# python_reducer, needs compiled autograd around the backward call: not offered here.
+OPTIMIZE_DDP = ("ddp_optimizer", "no_optimization")
+_DDP_ARGS = inspect.signature(DistributedDataParallel).parameters
 
-def apply_ddp(model: torch.nn.Module, cfg: DictConfig | dict, dist: Distributed) -> torch.nn.Module:
-    kwargs = dict(cfg)
+
+def default_knobs() -> DictConfig:
+    """The knobs of conf/opt/ddp.yaml, for a multi-process run without +opt=ddp."""
+    return OmegaConf.load(KNOBS).ddp
+
+
+def apply_ddp(
+    model: torch.nn.Module, cfg: DictConfig | None, dist: Distributed
+) -> DistributedDataParallel:
+    """Wraps `model` in DDP with the knobs `cfg` (None: conf/opt/ddp.yaml's)."""
+    cfg = default_knobs() if cfg is None else cfg
+    if cfg.comm_hook not in COMM_HOOKS:
+        raise ValueError(
+            f"opt.ddp.comm_hook={cfg.comm_hook!r}: choose one of {', '.join(COMM_HOOKS)}"
+        )
+    if cfg.optimize_ddp not in OPTIMIZE_DDP:
+        raise ValueError(
+            f"opt.ddp.optimize_ddp={cfg.optimize_ddp!r}: choose one of {', '.join(OPTIMIZE_DDP)}"
+        )
+    # Read when compile first traces the model inside DDP's forward, i.e. after this.
+    torch._dynamo.config.optimize_ddp = cfg.optimize_ddp
     ddp = DistributedDataParallel(
-        model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None, **kwargs
+        model,
+        device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        static_graph=cfg.static_graph,
+        **_buffer_sync(cfg.broadcast_buffers),
+        **_batched_grad_copy(cfg.batched_grad_copy),
     )
-    log(f"[opt] ddp: {dist.world_size} processes{', ' + str(kwargs) if kwargs else ''}")
+    if COMM_HOOKS[cfg.comm_hook] is not None:
+        ddp.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
+    knobs = ", ".join(f"{k}={v}" for k, v in cfg.items())
+    log(f"[opt] ddp: {dist.world_size} processes, {knobs}")
     return ddp
+
+
+def _buffer_sync(broadcast: bool) -> dict[str, bool]:
+    """Whether buffers are re-broadcast from rank 0 before every forward. torch 2.13 renamed
+    the argument (`forward_sync_buffers`; the old name warns, and skips the sync at
+    construction too, which for our constant buffer makes no difference)."""
+    name = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
+    return {name: broadcast}
+
+
+def _batched_grad_copy(enabled: bool) -> dict[str, bool]:
+    """DDP's one-kernel-per-bucket gradient copy, new in torch 2.13."""
+    if not enabled:
+        return {}
+    if "batched_grad_copy" not in _DDP_ARGS:
+        raise ValueError(
+            f"opt.ddp.batched_grad_copy=true needs torch >= 2.13 (this is {torch.__version__}): "
+            "set it to false or upgrade torch"
+        )
+    return {"batched_grad_copy": True}

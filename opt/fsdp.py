@@ -3,8 +3,16 @@ optimizer state are split over the processes, each holding about 1/W of them; a 
 parameters are all-gathered just before it runs and freed after, gradients are reduce-scattered.
 
 Each transformer block is its own unit (so only one block is unsharded at a time), then the root
-takes the embeddings and the head. With +opt=amp the parameters are cast for compute by FSDP's
-MixedPrecisionPolicy (gradients reduced in float32) instead of autocast.
+takes the embeddings and the head.
+
+With +opt=amp, `mixed_precision` chooses the math:
+- autocast (default): float32 parameters are all-gathered and autocast runs the matmuls in the
+  amp dtype, exactly as +opt=amp does alone or under DDP (norms, softmax, the residual stream
+  and the loss stay in float32), so FSDP and DDP rows of a ladder compare the same math.
+- pure: FSDP's MixedPrecisionPolicy all-gathers the parameters cast to the amp dtype and the
+  whole forward runs in it (no autocast): half the all-gather bytes and activations, but
+  LayerNorm, the residual stream and the embeddings in low precision too.
+Gradients are reduced in float32 either way.
 """
 
 from __future__ import annotations
@@ -15,12 +23,26 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from recipe.distributed import Distributed, log
 
+MIXED_PRECISION = ("autocast", "pure")
+
+
+def pure_low_precision(cfg: DictConfig) -> bool:
+    """Whether FSDP casts the parameters itself (`mixed_precision=pure`), so that autocast is
+    off; with `autocast`, +opt=amp's autocast runs as without FSDP."""
+    if cfg.mixed_precision not in MIXED_PRECISION:
+        raise ValueError(
+            f"opt.fsdp.mixed_precision={cfg.mixed_precision!r}: choose one of "
+            f"{', '.join(MIXED_PRECISION)}"
+        )
+    return cfg.mixed_precision == "pure"
+
 
 def apply_fsdp(
     model: torch.nn.Module, cfg: DictConfig, dist: Distributed, amp_dtype: torch.dtype | None
 ) -> torch.nn.Module:
     kwargs = {}
-    if amp_dtype is not None:
+    pure = pure_low_precision(cfg) and amp_dtype is not None
+    if pure:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=amp_dtype, reduce_dtype=torch.float32
         )
@@ -30,8 +52,9 @@ def apply_fsdp(
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     # The root's parameters (embeddings, final norm) are needed again at once by the tied head.
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    precision = "float32" if amp_dtype is None else f"{amp_dtype} ({cfg.mixed_precision})"
     log(
         f"[opt] fsdp: {dist.world_size} shards, reshard_after_forward={cfg.reshard_after_forward}"
-        f", cpu_offload={cfg.cpu_offload}, mixed precision={amp_dtype}"
+        f", cpu_offload={cfg.cpu_offload}, compute in {precision}"
     )
     return model

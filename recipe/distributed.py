@@ -1,14 +1,22 @@
-"""One process per GPU (launched by `torchrun`) or a single process; the device each one uses."""
+"""One process per GPU (launched by `torchrun`) or a single process; the device each one uses,
+the process groups they talk through, and the `torchrun` command lines that start them."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 DEVICES = ("auto", "cpu", "cuda")
+# The CPU group's collectives wait this long. It carries host-side waits, such as the other
+# ranks waiting for a corpus to be prepared, which can take hours; when a process dies, torchrun
+# stops the others, so a long timeout never holds a failed job.
+HOST_TIMEOUT = datetime.timedelta(hours=24)
 
 
 def log(message: str) -> None:
@@ -47,12 +55,23 @@ class Distributed:
         return self.rank == 0
 
     @property
+    def is_local_main(self) -> bool:
+        """The first process of its machine (it prepares the machine's data cache)."""
+        return self.local_rank == 0
+
+    @property
     def enabled(self) -> bool:
         return self.world_size > 1
 
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
+
+    def host_barrier(self) -> None:
+        """A barrier on the CPU group: no GPU work, and HOST_TIMEOUT instead of the default
+        group's 10 minutes (for waits as long as preparing a corpus)."""
+        if self.enabled:
+            dist.barrier(group=_cpu_group())
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of `value` over all ranks (a collective: every rank must call it)."""
@@ -64,22 +83,61 @@ class Distributed:
         return value
 
     def any(self, flag: bool) -> bool:
-        """True on every rank if `flag` is true on any (over a CPU group: no GPU sync)."""
+        """True on every rank if `flag` is true on any, now (a blocking all-reduce on the CPU
+        group: for decisions that cannot wait a step, such as refusing to save broken weights)."""
         if not self.enabled:
             return flag
-        t = torch.tensor([int(flag)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
-        return bool(t.item())
+        vote = torch.tensor([int(flag)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_cpu_group())
+        return bool(vote.item())
+
+    def any_one_step_late(self, flag: bool) -> bool:
+        """Whether `flag` was true on any rank at the previous call: the same answer on every
+        rank at the same call, without a barrier. Each call starts an all-reduce of its flag
+        in the background (on the CPU group: no GPU sync) and reads the previous call's, which
+        has finished by then unless another rank is more than a call behind. Call it once per
+        step on every rank; a single process answers at once."""
+        global _PENDING_VOTE
+        if not self.enabled:
+            return flag
+        vote = torch.tensor([int(flag)])
+        work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_cpu_group(), async_op=True)
+        previous, _PENDING_VOTE = _PENDING_VOTE, (work, vote)
+        if previous is None:
+            return False
+        previous[0].wait()
+        return bool(previous[1].item())
 
 
 _CPU_GROUP: dist.ProcessGroup | None = None
+_PENDING_VOTE: tuple[dist.Work, torch.Tensor] | None = None  # any_one_step_late's last call
 
 
 def _cpu_group() -> dist.ProcessGroup:
     global _CPU_GROUP
     if _CPU_GROUP is None:
-        _CPU_GROUP = dist.new_group(backend="gloo")
+        _CPU_GROUP = dist.new_group(backend="gloo", timeout=HOST_TIMEOUT)
     return _CPU_GROUP
+
+
+def backend(device: torch.device) -> str:
+    """The default group's backend: NCCL for GPU tensors plus gloo for CPU tensors on a GPU
+    (DTensors offloaded to the CPU, as FSDP's cpu_offload keeps them, reduce through gloo: e.g.
+    the gradient norm in clip_grad_norm_); gloo alone on a CPU."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(device: torch.device, **how: object) -> None:
+    """Creates the default process group for `device`, and the CPU group for host-side flags
+    and waits. `how` is passed to `torch.distributed.init_process_group`: empty under torchrun
+    (it reads RANK, WORLD_SIZE, MASTER_ADDR/PORT), or e.g. `rank=0, world_size=1,
+    store=dist.HashStore()` for a group of one process."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend(device), device_id=device, **how)
+    else:
+        dist.init_process_group(backend=backend(device), **how)
+    _cpu_group()  # created now, collectively, before anything can be unequal between ranks
 
 
 def init(device_choice: str) -> Distributed:
@@ -89,17 +147,52 @@ def init(device_choice: str) -> Distributed:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(device_choice, local_rank)
     if world_size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dist.init_process_group(backend="nccl", device_id=device)
-        else:
-            dist.init_process_group(backend="gloo")
-        _cpu_group()  # created now, collectively, before anything can be unequal between ranks
+        init_process_group(device)
     return Distributed(rank, local_rank, world_size, device)
 
 
 def shutdown() -> None:
-    global _CPU_GROUP
+    global _CPU_GROUP, _PENDING_VOTE
+    if _PENDING_VOTE is not None:  # every rank started it: it completes
+        _PENDING_VOTE[0].wait()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _CPU_GROUP = None
+    _CPU_GROUP, _PENDING_VOTE = None, None
+
+
+def torchrun(
+    nproc_per_node: int, nnodes: int = 1, rdzv_endpoint: str = "", rdzv_id: str = "gpt2-recipe"
+) -> list[str]:
+    """The command that starts `nproc_per_node` processes here: alone (`--standalone`), or as
+    one of `nnodes` machines meeting at a c10d rendezvous on `rdzv_endpoint` (host:port of the
+    first machine; every machine runs the same command, and c10d assigns the node ranks)."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc_per_node}"]
+    if nnodes == 1:
+        return [*command, "--standalone"]
+    if not rdzv_endpoint:
+        raise ValueError(f"{nnodes} nodes need a rendezvous endpoint (host:port of the first)")
+    return [
+        *command,
+        f"--nnodes={nnodes}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={rdzv_endpoint}",
+        f"--rdzv_id={rdzv_id}",
+    ]
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children first), from /proc: torchrun starts each worker in a
+    session of its own, out of reach of a signal to the agent's process group."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)"
+        except OSError:  # exited meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        child = queue.pop(0)
+        found.append(child)
+        queue += children.get(child, [])
+    return found

@@ -5,16 +5,24 @@
     python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
     python scripts/ablate.py ladder=speed steps=[compile,amp_fp16] "extra=['+prof=trace']"
 
-A ladder (`conf/ladder/<name>.yaml`) is a workload and a list of steps; each step adds stages
-(`+opt=...`) and overrides to the ones before it (or, with `cumulative: false`, to the workload
-alone). Every step runs `train.py` in its own process, so allocator and compiler state start
-clean; a step that runs out of memory, fails or times out is recorded as such and the ladder
-goes on. Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, with the command, the git
-commit, the GPU, the driver and the library versions; rerunning some steps updates their rows.
+A ladder (`conf/ladder/<name>.yaml`) is a workload (overrides and stages every step runs with)
+and a list of steps; each step adds stages (`+opt=...`) and overrides to the ones before it (or,
+with `cumulative: false`, to the workload alone). Every step runs `train.py` in its own process,
+so allocator and compiler state start clean; a step that runs out of memory, fails or times out
+is recorded as such (a timed-out step is killed with all its processes) and the ladder goes on.
+
+A step may run on several GPUs: `nproc: N` processes under torchrun, and with `nnodes: M` as M
+"machines" of N GPUs each on this host (M torchrun agents meeting at a c10d rendezvous on
+127.0.0.1, the GPUs split between them with CUDA_VISIBLE_DEVICES). Its row carries `gpus` and a
+per-GPU `efficiency`: tokens/s / (gpus x tokens/s of the nearest 1-GPU row above it).
+
+Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, with the command, the git commit, the
+GPU, the driver and the library versions; rerunning some steps updates their rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import json
@@ -22,6 +30,8 @@ import os
 import platform
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +44,8 @@ sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from recipe.distributed import descendants, torchrun  # noqa: E402
 
 OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|not enough memory|Cannot allocate memory")
 # The per-step numbers, from the run's summary.json: (column, summary key).
@@ -52,13 +64,16 @@ NUMBERS = (
 
 
 def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
-    """What each step runs: its stages and overrides, accumulated when the ladder is cumulative."""
-    plans, stages, overrides = [], [], []
+    """What each step runs: its stages and overrides (after the workload's), accumulated when the
+    ladder is cumulative, and its processes."""
+    base = list(ladder.get("opt", []))
+    plans, stages, overrides = [], base, []
     for index, step in enumerate(ladder.steps):
         if not ladder.cumulative:
-            stages, overrides = [], []
+            stages, overrides = base, []
         stages = stages + [s for s in step.get("opt", []) if s not in stages]
         overrides = overrides + list(step.get("overrides", []))
+        nproc, nnodes = step.get("nproc", 1), step.get("nnodes", 1)
         plans.append(
             {
                 "index": index,
@@ -66,24 +81,26 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
                 "what": step.get("what", ""),
                 "stages": stages,
                 "overrides": overrides,
-                "nproc": step.get("nproc", 1),
+                "nproc": nproc,
+                "nnodes": nnodes,
+                "gpus": nproc * nnodes,
+                "strategy": "fsdp"
+                if "fsdp" in stages
+                else "ddp"
+                if nproc * nnodes > 1
+                else "single",
             }
         )
     return plans
 
 
-def train_command(plan: dict, ladder: DictConfig, extra: list[str], run_dir: Path) -> list[str]:
-    launcher = [sys.executable]
-    if plan["nproc"] > 1:
-        launcher += [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={plan['nproc']}",
-        ]
+def launches(
+    plan: dict, ladder: DictConfig, extra: list[str], run_dir: Path
+) -> list[tuple[list[str], dict[str, str]]]:
+    """The processes that run a step: a command and the environment it adds, per torchrun agent
+    (one per "machine") or for the single process."""
     stages = [f"+opt=[{','.join(plan['stages'])}]"] if plan["stages"] else []
-    return [
-        *launcher,
+    args = [
         "train.py",
         *ladder.workload,
         *stages,
@@ -93,40 +110,132 @@ def train_command(plan: dict, ladder: DictConfig, extra: list[str], run_dir: Pat
         f"wandb.group=ladder-{ladder.name}",
         f"wandb.name={ladder.name}-{plan['index']:02d}-{plan['name']}",
     ]
+    nproc, nnodes = plan["nproc"], plan["nnodes"]
+    if plan["gpus"] == 1:
+        return [([sys.executable, *args], {})]
+    # NVLink multicast (NVLS) off: some lent machines require it, and every multi-GPU row of a
+    # ladder then runs the same NCCL algorithms.
+    env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+    if nnodes == 1:
+        return [([*torchrun(nproc), *args], env)]
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    agent = torchrun(nproc, nnodes, endpoint, rdzv_id=f"{ladder.name}-{plan['name']}")
+    gpus = visible_gpus()
+    return [
+        (
+            [*agent, *args],
+            {**env, "CUDA_VISIBLE_DEVICES": ",".join(gpus[node * nproc : (node + 1) * nproc])}
+            if gpus
+            else env,
+        )
+        for node in range(nnodes)
+    ]
+
+
+def visible_gpus() -> list[str]:
+    """This host's GPUs as CUDA_VISIBLE_DEVICES names them (none on a CPU machine)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g for g in listed.split(",") if g][: torch.cuda.device_count()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def shell(command: list[str], env: dict[str, str]) -> str:
+    """A command as one would type it (`python` for this interpreter)."""
+    prefix = [f"{k}={v}" for k, v in env.items()]
+    return shlex.join([*prefix, "python", *command[1:]])
 
 
 def run_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path) -> dict[str, Any]:
-    """Runs one step in its own process; returns its row (status and numbers)."""
+    """Runs one step in its own process(es); returns its row (status and numbers)."""
     run_dir = runs_dir / f"{plan['index']:02d}-{plan['name']}"
-    command = train_command(plan, ladder, list(cfg.extra), run_dir)
-    row = {**plan, "command": shlex.join(["python", *command[1:]]), "git_commit": git_commit()}
+    agents = launches(plan, ladder, list(cfg.extra), run_dir)
+    row = {
+        **plan,
+        "command": " & ".join(shell(command, env) for command, env in agents),
+        "git_commit": git_commit(),
+    }
     gpus = torch.cuda.device_count()  # with none, several processes share the CPU (gloo)
-    if 0 < gpus < plan["nproc"]:
-        return {**row, "status": "skipped", "error": f"needs {plan['nproc']} GPUs, {gpus} here"}
+    if 0 < gpus < plan["gpus"]:
+        return {**row, "status": "skipped", "error": f"needs {plan['gpus']} GPUs, {gpus} here"}
     run_dir.mkdir(parents=True, exist_ok=True)
     print(
         f"[ablate] {ladder.name} {plan['index']:02d} {plan['name']}: {row['command']}", flush=True
     )
     started = time.time()
-    try:
-        done = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=cfg.timeout_s,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-        output, failed = done.stdout + done.stderr, done.returncode != 0
-        status = ("oom" if OOM.search(output) else "failed") if failed else "ok"
-    except subprocess.TimeoutExpired as e:
-        output, status = f"{e.stdout or ''}{e.stderr or ''}", "timeout"
+    logs = [
+        run_dir / ("output.txt" if i == 0 else f"output-node{i}.txt") for i in range(len(agents))
+    ]
+    procs = []
+    for (command, env), log in zip(agents, logs, strict=True):
+        with open(log, "w") as out:
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    cwd=ROOT,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+                    start_new_session=True,  # its own process group: killable as a whole
+                )  # fmt: skip
+            )
+    timed_out = not wait_all(procs, deadline=started + cfg.timeout_s)
+    output = "".join(log.read_text(errors="replace") for log in logs)
+    if timed_out:
+        status = "timeout"
+    elif any(p.returncode for p in procs):
+        status = "oom" if OOM.search(output) else "failed"
+    else:
+        status = "ok"
     row["wall_s"] = round(time.time() - started, 1)
-    (run_dir / "output.txt").write_text(output if isinstance(output, str) else output.decode())
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     row.update({column: summary.get(key) for column, key in NUMBERS})
     if status != "ok":
-        lines = [line for line in str(output).splitlines() if line.strip()]
+        lines = [line for line in output.splitlines() if line.strip()]
         row["error"] = " | ".join(lines[-3:])[-600:]
     print(f"[ablate]   -> {status}, {row['wall_s']} s", flush=True)
     return {**row, "status": status}
+
+
+def wait_all(procs: list[subprocess.Popen], deadline: float) -> bool:
+    """Waits for the step's processes; False on a timeout. When one fails the others are
+    stopped (an agent whose peer died would wait for it in the rendezvous). Whatever is left
+    is killed with all its descendants: torchrun's workers run in sessions of their own, so
+    they do not die with the agent."""
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.time() > deadline:
+                return False
+            if any(p.returncode for p in procs):
+                return True
+            time.sleep(0.5)
+        return True
+    finally:
+        stop(procs)
+
+
+def stop(procs: list[subprocess.Popen], grace_s: float = 20) -> None:
+    """SIGTERM first (torchrun passes it to its workers, the trainer checkpoints and exits),
+    then SIGKILL for every process of the step still alive after `grace_s`."""
+    running = [p for p in procs if p.poll() is None]
+    if not running:
+        return
+    tree = [pid for p in running for pid in (p.pid, *descendants(p.pid))]
+    for p in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    end = time.time() + grace_s
+    while any(p.poll() is None for p in running) and time.time() < end:
+        time.sleep(0.5)
+    for pid in tree:  # the agents' groups and each worker's own
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) != os.getpgrp():
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+    for p in running:
+        p.wait()
 
 
 def git_commit() -> str:
@@ -191,14 +300,46 @@ def _ratio(row: dict, ref: dict | None, key: str) -> str:
     return f"{100 * (row[key] / ref[key] - 1):+.0f}%"
 
 
+def with_efficiency(rows: list[dict]) -> list[dict]:
+    """Sets each row's per-GPU `efficiency`: its tokens/s over `gpus` times those of the nearest
+    1-GPU row above it that ran (`efficiency_vs`), the same workload on one GPU of this host;
+    1.0 for a 1-GPU row that ran; None where there is nothing to compare."""
+    reference = None
+    for row in rows:
+        gpus = row.setdefault("gpus", row.get("nproc", 1))
+        ran = row["status"] == "ok" and row.get("tokens_per_sec")
+        if gpus == 1 and ran:
+            reference = row
+        ref_tps = reference["tokens_per_sec"] if reference else None
+        row["efficiency"] = (
+            round(row["tokens_per_sec"] / (gpus * ref_tps), 4) if ran and ref_tps else None
+        )
+        row["efficiency_vs"] = reference["name"] if row["efficiency"] is not None else None
+    return rows
+
+
+def _gpus(row: dict) -> str:
+    """`2` for 2 GPUs of one torchrun, `2 x 1` for two "machines" of one GPU."""
+    nnodes, gpus = row.get("nnodes", 1), row.get("gpus", 1)
+    return f"{nnodes} x {gpus // nnodes}" if nnodes > 1 else str(gpus)
+
+
 def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
     key = "tokens_per_sec" if ladder.focus == "speed" else "peak_allocated_gib"
     gain = "speed-up" if ladder.focus == "speed" else "peak memory"
-    header = (
-        f"| # | step | what changes | tokens/s (p10–p90) | {gain} vs prev | {gain} vs baseline "
-        "| MFU | step ms | peak alloc GiB | peak reserved GiB | loss | status |"
-    )
-    lines = [f"# Ladder `{ladder.name}` on {env['device']}", "", header, "|" + "---|" * 12]
+    scaling = any(row.get("gpus", 1) > 1 for row in rows)  # then: GPUs and per-GPU efficiency
+    columns = [
+        "#", "step", "what changes", *(["GPUs"] if scaling else []), "tokens/s (p10–p90)",
+        *(["per-GPU efficiency"] if scaling else []), f"{gain} vs prev", f"{gain} vs baseline",
+        "MFU", "step ms", "peak alloc GiB", "peak reserved GiB", "loss", "status",
+    ]  # fmt: skip
+    header = "| " + " | ".join(columns) + " |"
+    lines = [
+        f"# Ladder `{ladder.name}` on {env['device']}",
+        "",
+        header,
+        "|" + "---|" * len(columns),
+    ]
     ok = [r for r in rows if r["status"] == "ok"]
     baseline = ok[0] if ok and ok[0]["index"] == 0 else None
     previous = None
@@ -211,7 +352,9 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
             str(row["index"]),
             f"`{row['name']}`",
             row["what"],
+            *([_gpus(row)] if scaling else []),
             _fmt(row.get("tokens_per_sec"), ",.0f") + spread,
+            *([_fmt(row.get("efficiency"), ".3f")] if scaling else []),
             _ratio(row, previous, key) if ladder.cumulative else "–",
             _ratio(row, baseline, key),
             mfu,
@@ -228,6 +371,12 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
         "the last step that ran (`vs prev`) and with step 0" if ladder.cumulative else "step 0"
     )
     lines += ["", f"Gains compare with {compared}."]
+    if scaling:
+        lines += [
+            "Per-GPU efficiency: tokens/s / (GPUs x tokens/s of the nearest 1-GPU step above), "
+            "the same per-GPU batch on one GPU of this host; `a x b` GPUs: a torchrun agents "
+            '("machines", c10d rendezvous on 127.0.0.1) of b GPUs each.'
+        ]
     lines += [f"\n- `{r['name']}`: {r['note']}" for r in rows if r.get("note")]
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
@@ -280,11 +429,13 @@ def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
 
 def publish(ladder: DictConfig, rows: list[dict], env: dict, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
+    rows = with_efficiency(rows)
     stem = folder / ladder.name
     (stem.with_suffix(".json")).write_text(
         json.dumps({"environment": env, "steps": rows}, indent=2)
     )
-    columns = ["index", "name", "what", "status", "stages", "nproc", *(c for c, _ in NUMBERS)]
+    columns = ["index", "name", "what", "status", "stages", "nproc", "nnodes", "gpus", "strategy"]
+    columns += [*(c for c, _ in NUMBERS), "efficiency", "efficiency_vs"]
     columns += ["wall_s", "git_commit", "command", "error"]
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")

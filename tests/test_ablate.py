@@ -1,5 +1,7 @@
 """The ablation harness: ladders accumulate as configured, and a CPU-sized ladder writes its
-table, CSV, JSON and chart, recording a failed or out-of-memory step and going on."""
+table, CSV, JSON and chart, recording a failed or out-of-memory step and going on; multi-process
+steps (several GPUs, several "machines") carry their per-GPU efficiency, and a timed-out step
+leaves no process behind."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ import csv
 import importlib.util
 import json
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, python
 
@@ -83,3 +88,99 @@ def test_quick_ladder_publishes_and_survives_failed_steps(tmp_path) -> None:
     again = json.loads((folder / "quick.json").read_text())["steps"]
     assert [row["status"] for row in again] == statuses
     assert again[1]["wall_s"] != result["steps"][1]["wall_s"] and again[0] == result["steps"][0]
+
+
+def test_multi_process_steps_and_base_stages() -> None:
+    plans = {p["name"]: p for p in ablate.step_plans(_ladder("scaling"))}
+    assert plans["one_gpu"]["stages"] == ["compile", "amp", "fused", "tf32"]
+    assert plans["fsdp"]["stages"] == ["compile", "amp", "fused", "tf32", "fsdp"]
+    assert (plans["two_nodes"]["gpus"], plans["two_nodes"]["nnodes"]) == (2, 2)
+    strategies = {name: p["strategy"] for name, p in plans.items()}
+    assert strategies["one_gpu"] == "single" and strategies["two_nodes"] == "ddp"
+    assert strategies["fsdp_pure"] == "fsdp"
+    speed = ablate.step_plans(_ladder("speed"))
+    assert [(p["name"], p["gpus"]) for p in speed[-2:]] == [("ddp", 2), ("multi_node", 2)]
+
+
+def test_two_machines_are_two_agents_with_their_gpus(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(ablate, "visible_gpus", lambda: ["4", "5", "6", "7"])
+    plan = {**ablate.step_plans(_ladder("scaling"))[2], "nproc": 2, "gpus": 4}
+    agents = ablate.launches(plan, _ladder("scaling"), [], tmp_path)
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in agents] == ["4,5", "6,7"]
+    assert all(env["NCCL_NVLS_ENABLE"] == "0" for _, env in agents)
+    (first, _), (second, _) = agents
+    assert first == second  # the same command on every "machine": c10d assigns node ranks
+    assert "--nnodes=2" in first and "--rdzv_backend=c10d" in first
+    assert any(arg.startswith("--rdzv_endpoint=127.0.0.1:") for arg in first)
+
+
+def test_per_gpu_efficiency_is_against_the_nearest_one_gpu_row() -> None:
+    rows = [
+        {"name": "a", "gpus": 1, "status": "ok", "tokens_per_sec": 100.0},
+        {"name": "ddp", "gpus": 2, "status": "ok", "tokens_per_sec": 190.0},
+        {"name": "b", "gpus": 1, "status": "failed", "tokens_per_sec": None},
+        {"name": "c", "gpus": 1, "status": "ok", "tokens_per_sec": 200.0},
+        {"name": "fsdp", "gpus": 2, "status": "ok", "tokens_per_sec": 300.0},
+        {"name": "oom", "gpus": 2, "status": "oom", "tokens_per_sec": None},
+    ]
+    done = ablate.with_efficiency(rows)
+    assert [r["efficiency"] for r in done] == [1.0, 0.95, None, 1.0, 0.75, None]
+    assert [r["efficiency_vs"] for r in done] == ["a", "a", None, "c", "c", None]
+
+
+def _run_steps(tmp_path, steps: list[dict], timeout_s: int = 600) -> tuple[list[dict], Path]:
+    """Runs steps on the quick ladder's workload with the harness; returns the rows and the
+    folder they were published to."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(
+            "ablate",
+            overrides=["ladder=quick", f"timeout_s={timeout_s}", "extra=['wandb.mode=disabled']"],
+        )
+    ladder = OmegaConf.merge(cfg.ladder, {"cumulative": False, "steps": steps})
+    rows = [
+        ablate.run_step(plan, ladder, cfg, tmp_path / "runs") for plan in ablate.step_plans(ladder)
+    ]
+    ablate.publish(ladder, rows, ablate.environment([]), tmp_path / "results")
+    return rows, tmp_path / "results"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_scaling_rows_on_cpu_processes(tmp_path) -> None:
+    rows, results = _run_steps(
+        tmp_path,
+        [
+            {"name": "one", "what": "1 process"},
+            {"name": "ddp", "what": "2 processes", "nproc": 2},
+            {"name": "two_nodes", "what": "2 x 1", "nproc": 1, "nnodes": 2},
+        ],
+    )
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok"], [r.get("error") for r in rows]
+    assert [r["gpus"] for r in rows] == [1, 2, 2]
+    assert rows[1]["efficiency"] > 0 and rows[2]["efficiency_vs"] == "one"
+    table = (results / "quick.md").read_text()
+    assert "per-GPU efficiency" in table and "| 2 x 1 |" in table
+    saved = json.loads((results / "quick.json").read_text())["steps"]
+    assert all({"gpus", "strategy", "tokens_per_sec", "efficiency"} <= row.keys() for row in saved)
+    assert "& " in rows[2]["command"] and "--rdzv_backend=c10d" in rows[2]["command"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_timed_out_step_leaves_no_process_behind(tmp_path) -> None:
+    step = {"name": "endless", "what": "never ends", "nproc": 2,
+            "overrides": ["train.max_steps=1000000"]}  # fmt: skip
+    started = time.time()
+    rows, _ = _run_steps(tmp_path, [step], timeout_s=25)
+    assert rows[0]["status"] == "timeout" and time.time() - started < 90
+    run_dir = str(tmp_path / "runs")
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if run_dir in cmdline.read_text(errors="replace"):
+                left.append(cmdline.parent.name)
+        except OSError:
+            continue
+    assert not left, f"processes of the timed-out step still running: {left}"

@@ -1,42 +1,80 @@
-"""Multi-process runs on CPU (2 processes, gloo) through torchrun: DDP equals one process with
-twice the batch, FSDP equals DDP and shards. Each launch costs ~10 s, so they are batched into
-a few module-scoped runs."""
+"""Several processes: DDP equals one process with twice the batch, FSDP equals DDP and shards,
+two "machines" equal one, a SIGTERM on one rank stops them all at one step, compile neither
+breaks nor skips under DDP and FSDP, FSDP+amp runs DDP+amp's math. The torchrun launches (2 CPU
+processes, gloo, ~10 s each) are batched into a few module-scoped runs; DDP's knobs are checked
+in this process, on a process group of one."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
+import signal
+import socket
 import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as torch_dist
+from omegaconf import OmegaConf
 
-from conftest import ROOT, TINY, logged, python, tiny_cfg
-from train import train
-
-pytestmark = pytest.mark.distributed
+import opt
+from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg
+from model import GPT, GPTConfig
+from opt.ddp import apply_ddp, default_knobs
+from recipe import distributed
+from recipe.distributed import Distributed
+from train import train, train_step
 
 # A constant learning rate, so that a run of 2 steps resumed to 4 is the 4-step run.
 RUN = (
     "train.max_steps=4", "train.log_interval=1", "train.eval_interval=2", "wandb.mode=disabled",
     "train.warmup_steps=0", "train.min_lr=${train.lr}",
 )  # fmt: skip
+CPU = torch.device("cpu")
+
+
+def _launch(*commands: list[str], timeout: float = 300) -> str:
+    """Runs the commands side by side (one per torchrun agent); returns their output."""
+    with tempfile.TemporaryDirectory() as logs:
+        agents = []
+        for i, command in enumerate(commands):
+            with open(Path(logs) / f"{i}.log", "w") as log:
+                agents.append(subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log))
+        deadline = time.time() + timeout
+        try:
+            for agent in agents:
+                agent.wait(timeout=max(1.0, deadline - time.time()))
+        finally:
+            for agent in agents:
+                _stop(agent)
+        output = "".join((Path(logs) / f"{i}.log").read_text() for i in range(len(agents)))
+    assert all(agent.returncode == 0 for agent in agents), output[-6000:]
+    return output
+
+
+def _stop(agent: subprocess.Popen) -> None:
+    """Kills a torchrun agent that is still running, and its workers."""
+    if agent.poll() is None:
+        for pid in [*distributed.descendants(agent.pid), agent.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.wait()
 
 
 def _torchrun(script: str, *args: str) -> str:
-    command = [
-        python(),
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        script,
-    ]
-    out = subprocess.run(
-        command + list(args), cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+    return _launch([*distributed.torchrun(2), script, *args])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # Gradients are averaged in another order across processes: float rounding, amplified a little
@@ -75,23 +113,35 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )
         _torchrun("train.py", *TINY, *RUN, "train.batch_size=2", "+opt=fsdp", *overrides)
     out["fsdp_resumed"] = resumed
+    # Two "machines" of one process each, meeting at a c10d rendezvous on this host.
+    agent = distributed.torchrun(
+        1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_id=f"test-{os.getpid()}"
+    )
+    two_nodes = [*agent, "train.py", *TINY, *RUN, "train.batch_size=2"]
+    two_nodes.append(f"hydra.run.dir={root / 'two_nodes'}")
+    _launch(two_nodes, two_nodes)
+    out["two_nodes"] = root / "two_nodes"
     return out
 
 
+@pytest.mark.distributed
 def test_ddp_matches_one_process_with_twice_the_batch(runs) -> None:
     single, ddp = _metrics(runs["single"]), _metrics(runs["ddp"])
     assert len(ddp["train/loss"]) == 4 and len(ddp["val/loss"]) == 3
     for key in single:
         torch.testing.assert_close(ddp[key], single[key], rtol=RTOL[key], atol=0)
-    assert "[opt] ddp: 2 processes" in (runs["ddp"] / "stdout.txt").read_text()
+    stdout = (runs["ddp"] / "stdout.txt").read_text()
+    assert "[opt] ddp: 2 processes, bucket_cap_mb=25" in stdout  # conf/opt/ddp.yaml's knobs
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["ddp_accum", "fsdp_accum"])
 def test_accumulation_across_processes_matches_too(runs, name: str) -> None:
     for key, values in _metrics(runs["single"]).items():
         torch.testing.assert_close(_metrics(runs[name])[key], values, rtol=RTOL[key], atol=0)
 
 
+@pytest.mark.distributed
 def test_fsdp_with_the_fused_head_matches_one_process(runs) -> None:
     for key, values in _metrics(runs["single"]).items():
         torch.testing.assert_close(
@@ -100,6 +150,7 @@ def test_fsdp_with_the_fused_head_matches_one_process(runs) -> None:
     assert "[opt] custom_op" in (runs["fsdp_custom_op"] / "stdout.txt").read_text()
 
 
+@pytest.mark.distributed
 def test_fsdp_matches_ddp(runs) -> None:
     ddp, fsdp = _metrics(runs["ddp"]), _metrics(runs["fsdp"])
     for key in ddp:
@@ -108,6 +159,7 @@ def test_fsdp_matches_ddp(runs) -> None:
     assert stdout.count("[opt] fsdp: 2 shards") == 1  # stages are announced by rank 0 only
 
 
+@pytest.mark.distributed
 def test_fsdp_checkpoint_is_a_full_state_dict(runs) -> None:
     fsdp = torch.load(runs["fsdp"] / "checkpoint.pt", weights_only=True)
     ddp = torch.load(runs["ddp"] / "checkpoint.pt", weights_only=True)
@@ -116,16 +168,292 @@ def test_fsdp_checkpoint_is_a_full_state_dict(runs) -> None:
         assert fsdp["model"][name].shape == tensor.shape, name
 
 
-def test_fsdp_shards_accumulates_and_agrees_on_overflow(tmp_path) -> None:
-    _torchrun("tests/distributed_probe.py", str(tmp_path))
+@pytest.mark.distributed
+def test_fsdp_resumes_exactly(runs) -> None:
+    assert _metrics(runs["fsdp_resumed"]) == _metrics(runs["fsdp"])
+
+
+@pytest.mark.distributed
+def test_two_machines_match_one_with_two_processes(runs) -> None:
+    two_nodes, one_node = _metrics(runs["two_nodes"]), _metrics(runs["ddp"])
+    assert two_nodes["train/loss"] == one_node["train/loss"]
+    for key in one_node:  # gloo may reduce across "hosts" in another order: the last bit
+        torch.testing.assert_close(two_nodes[key], one_node[key], rtol=RTOL[key], atol=0)
+
+
+def _check_probe(out: Path) -> None:
     for rank in range(2):
-        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        found = json.loads((out / f"rank{rank}.json").read_text())
         assert found["local_fraction"] == pytest.approx(0.5, abs=0.05)  # ~1/W of the parameters
         assert found["grads_after_unsynced_micro_step"] == 0  # no reduce-scatter yet
         assert found["grads_after_last_micro_step"] > 0
         assert found["params_unchanged"] and found["scale_after"] == 32768.0  # both ranks skipped
         assert found["scaler"] == "ShardedGradScaler"
 
+        for layout, seen in found["compiled"].items():  # nothing ran eagerly behind our back
+            clean = {"graph_breaks": 0, "unimplemented": 0, "frames_skipped": 0}
+            assert {k: seen[k] for k in clean} == clean, (layout, seen["first_break"])
+        assert found["compiled"]["ddp"]["graphs"] >= 1
+        assert found["compiled"]["fsdp"]["graphs"] >= 3  # embed, the blocks' graph, head
+        assert found["compiled"]["fsdp_ac"]["graphs"] >= 3
+        assert found["compiled"]["fsdp_block"]["graphs"] >= 1
 
-def test_fsdp_resumes_exactly(runs) -> None:
-    assert _metrics(runs["fsdp_resumed"]) == _metrics(runs["fsdp"])
+        # FSDP+amp runs DDP+amp's math; the pure low-precision variant visibly does not.
+        losses = {name: torch.tensor(values) for name, values in found["losses"].items()}
+        tolerance = 2e-6  # float32 rounding of another reduction order
+        gap = (losses["fsdp_amp"] - losses["ddp_amp"]).abs().max().item()
+        pure_gap = (losses["fsdp_amp_pure"] - losses["ddp_amp"]).abs().max().item()
+        assert gap <= tolerance < pure_gap, (gap, pure_gap)
+        assert (losses["ddp_amp"] != losses["ddp_fp32"]).any()  # amp is on: bfloat16 matmuls
+
+        assert found["votes"] == [False, False, False, True, True]  # rank 1 asked at call 2
+
+
+@pytest.mark.distributed
+def test_probe_fsdp_ddp_compile_and_mixed_precision(tmp_path) -> None:
+    _torchrun("tests/distributed_probe.py", str(tmp_path))
+    _check_probe(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_probe_on_two_gpus(tmp_path) -> None:
+    """The same checks with NCCL and Inductor: compile breaks nothing under DDP and FSDP."""
+    _torchrun("tests/distributed_probe.py", str(tmp_path), "cuda")
+    _check_probe(tmp_path)
+
+
+@pytest.mark.distributed
+def test_sigterm_on_one_rank_checkpoints_and_stops_every_rank(tmp_path) -> None:
+    run_dir = tmp_path / "preempted"
+    args = (*TINY, "train.max_steps=100000", "train.log_interval=1", "train.batch_size=2",
+            "train.eval_interval=100000", "train.checkpoint_interval=0",
+            "wandb.mode=disabled")  # fmt: skip
+    command = [*distributed.torchrun(2), "train.py", *args, f"hydra.run.dir={run_dir}"]
+    agent = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.time() + 120
+        while len(_logged_losses(run_dir)) < 3 and time.time() < deadline:
+            time.sleep(0.2)
+        rank1 = [pid for pid in distributed.descendants(agent.pid) if _rank(pid) == "1"]
+        assert len(rank1) == 1, "rank 1's worker not found"
+        os.kill(rank1[0], signal.SIGTERM)
+        output, _ = agent.communicate(timeout=120)
+    finally:
+        _stop(agent)
+    assert agent.returncode == 0, output[-4000:]
+    assert output.count("SIGTERM: saving a checkpoint") == 1  # only rank 1 was signalled
+    step = torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == step and 3 <= step < 100000 and not summary["completed"]
+
+
+def _logged_losses(run_dir: Path) -> list:
+    path = run_dir / "metrics.jsonl"
+    return logged(run_dir, "train/loss") if path.exists() else []
+
+
+def _rank(pid: int) -> str | None:
+    """The RANK in a process's environment (None if it has exited)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((e[5:].decode() for e in env if e.startswith(b"RANK=")), None)
+
+
+# ---- in this process, on a group of one: DDP's knobs reach DDP and do what they say
+
+
+@pytest.fixture
+def group_of_one() -> Iterator[Distributed]:
+    distributed.init_process_group(CPU, rank=0, world_size=1, store=torch_dist.HashStore())
+    try:
+        yield Distributed(rank=0, local_rank=0, world_size=1, device=CPU)
+    finally:
+        distributed.shutdown()
+
+
+def _toy(n_embd: int = 16) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=n_embd, block_size=8, vocab_size=64))
+
+
+def _ddp(group: Distributed, model: GPT | None = None, **knobs):
+    return apply_ddp(model or _toy(), OmegaConf.merge(default_knobs(), knobs), group)
+
+
+def _settings(ddp) -> dict:
+    return {
+        "bucket_bytes_cap": ddp.bucket_bytes_cap,
+        "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+        "static_graph": ddp.static_graph,
+        "broadcast_buffers": ddp.broadcast_buffers,
+    }
+
+
+def test_every_multi_process_run_uses_the_yaml_ddp_knobs(group_of_one) -> None:
+    two = Distributed(rank=0, local_rank=0, world_size=2, device=CPU)  # planning as 2 processes
+    without = opt.apply_model_stages(_toy(), make_cfg().opt, opt.plan(make_cfg(), two), two)
+    cfg = make_cfg("+opt=ddp")
+    with_ddp = opt.apply_model_stages(_toy(), cfg.opt, opt.plan(cfg, two), two)
+    assert _settings(without) == _settings(with_ddp)
+    pytorch = torch.nn.parallel.DistributedDataParallel(_toy())
+    assert _settings(without) != _settings(pytorch)  # not PyTorch's defaults
+    assert not without.broadcast_buffers and without.gradient_as_bucket_view
+
+
+def _forward_backward(ddp, steps: int = 2) -> None:
+    x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        ddp.zero_grad(set_to_none=True)
+        ddp(x[:, :-1], x[:, 1:])[1].backward()
+
+
+def test_ddp_knobs_reach_ddp_and_act(group_of_one) -> None:
+    assert _ddp(group_of_one, bucket_cap_mb=50).bucket_bytes_cap == 50 * 2**20
+    assert _ddp(group_of_one, static_graph=True).static_graph
+    if "batched_grad_copy" in opt.ddp._DDP_ARGS:  # torch >= 2.13
+        assert _ddp(group_of_one, batched_grad_copy=True).batched_grad_copy
+
+    storages = {}
+    for view in (True, False):  # views: every gradient lives in the one bucket's buffer
+        ddp = _ddp(group_of_one, gradient_as_bucket_view=view)
+        _forward_backward(ddp)
+        storages[view] = {p.grad.untyped_storage().data_ptr() for p in ddp.parameters()}
+    assert len(storages[True]) == 1 and len(storages[False]) > 1
+
+    broadcasts = {True: [], False: []}
+    for broadcast, calls in broadcasts.items():  # the constant mask: before every forward, or not
+        ddp = _ddp(group_of_one, broadcast_buffers=broadcast)
+        ddp._distributed_broadcast_coalesced = functools.partial(
+            _counted, calls, ddp._distributed_broadcast_coalesced
+        )
+        _forward_backward(ddp, steps=3)
+    assert {k: len(v) for k, v in broadcasts.items()} == {True: 3, False: 0}
+
+
+def _counted(calls: list, function, *args, **kwargs):
+    calls.append(1)
+    return function(*args, **kwargs)
+
+
+def test_fp16_comm_hook_all_reduces_rounded_gradients(group_of_one) -> None:
+    """(bf16 needs NCCL: test_bf16_comm_hook_on_the_gpu.)"""
+    for hook, rounded in (("none", False), ("fp16", True)):
+        ddp = _ddp(group_of_one, comm_hook=hook)
+        _forward_backward(ddp, steps=1)
+        grads = [p.grad for p in ddp.parameters()]
+        assert all(torch.equal(g, g.half().float()) for g in grads) == rounded, hook
+
+
+def test_ddp_optimizer_splits_the_compiled_graph_at_buckets(group_of_one) -> None:
+    """1 MiB buckets over ~6 MiB of weights: several graphs whose all-reduces can overlap
+    backward; with no_optimization one graph."""
+    from torch._dynamo.utils import counters
+
+    graphs = {}
+    compile_knobs = OmegaConf.merge(
+        OmegaConf.load(ROOT / "conf/opt/compile.yaml").compile, {"backend": "aot_eager"}
+    )
+    for mode in ("ddp_optimizer", "no_optimization"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _toy(n_embd=256)
+        opt.compile.apply_compile(model, compile_knobs)
+        _forward_backward(_ddp(group_of_one, model, optimize_ddp=mode, bucket_cap_mb=1), steps=1)
+        assert torch._dynamo.config.optimize_ddp == mode
+        graphs[mode] = counters["aot_autograd"]["total"]
+    torch._dynamo.reset()
+    assert graphs["ddp_optimizer"] > 2 and graphs["no_optimization"] == 1, graphs
+
+
+def test_bad_distributed_knobs_are_refused(group_of_one) -> None:
+    with pytest.raises(ValueError, match="opt.ddp.comm_hook='int8'"):
+        _ddp(group_of_one, comm_hook="int8")
+    with pytest.raises(ValueError, match="opt.ddp.optimize_ddp='python_reducer'"):
+        _ddp(group_of_one, optimize_ddp="python_reducer")
+    two = Distributed(rank=0, local_rank=0, world_size=2, device=CPU)
+    with pytest.raises(ValueError, match="opt.fsdp.mixed_precision='fp8'"):
+        opt.plan(make_cfg("+opt=[fsdp,amp]", "opt.fsdp.mixed_precision=fp8"), two)
+    cfg = make_cfg("+opt=compile", "opt.compile.backend=tvm2")
+    with pytest.raises(ValueError, match="opt.compile.backend='tvm2'"):
+        opt.apply_model_stages(_toy(), cfg.opt, opt.plan(cfg, group_of_one), group_of_one)
+
+
+def test_fsdp_autocasts_unless_pure() -> None:
+    two = Distributed(rank=0, local_rank=0, world_size=2, device=CPU)
+    amp = "opt.amp.dtype=bfloat16"
+    default = opt.plan(make_cfg("+opt=[fsdp,amp]", amp), two)
+    pure = opt.plan(make_cfg("+opt=[fsdp,amp]", amp, "opt.fsdp.mixed_precision=pure"), two)
+    assert isinstance(default.autocast(CPU), torch.autocast)
+    assert not isinstance(pure.autocast(CPU), torch.autocast)
+
+
+def test_process_groups_and_launch_commands() -> None:
+    assert distributed.backend(torch.device("cuda", 0)) == "cuda:nccl,cpu:gloo"
+    assert distributed.backend(CPU) == "gloo"
+    single = Distributed(rank=0, local_rank=0, world_size=1, device=CPU)
+    assert single.any_one_step_late(True) and not single.any_one_step_late(False)  # at once
+    assert distributed.torchrun(2)[-2:] == ["--nproc_per_node=2", "--standalone"]
+    nodes = distributed.torchrun(4, nnodes=2, rdzv_endpoint="node1:29500", rdzv_id="job7")
+    assert nodes[-4:] == ["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node1:29500",
+                          "--rdzv_id=job7"]  # fmt: skip
+    with pytest.raises(ValueError, match="rendezvous endpoint"):
+        distributed.torchrun(1, nnodes=2)
+
+
+# ---- on a GPU, with a group of one: what gloo cannot show
+
+
+@pytest.fixture
+def gpu_group() -> Iterator[Distributed]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda", 0)
+    distributed.init_process_group(device, rank=0, world_size=1, store=torch_dist.HashStore())
+    try:
+        yield Distributed(rank=0, local_rank=0, world_size=1, device=device)
+    finally:
+        distributed.shutdown()
+
+
+@pytest.mark.gpu
+def test_bf16_comm_hook_on_the_gpu(gpu_group) -> None:
+    ddp = _ddp(gpu_group, _toy().cuda(), comm_hook="bf16")
+    x = torch.randint(0, 64, (2, 9), device="cuda")
+    ddp(x[:, :-1], x[:, 1:])[1].backward()
+    assert all(torch.equal(p.grad, p.grad.bfloat16().float()) for p in ddp.parameters())
+
+
+@pytest.mark.gpu
+def test_fsdp_cpu_offload_clips_gradients_on_the_gpu(gpu_group) -> None:
+    """Offloaded gradients are CPU DTensors: their norm all-reduces through the default group's
+    gloo backend (without it: "No backend type associated with device type cpu")."""
+    cfg = make_cfg("+opt=fsdp", "opt.fsdp.cpu_offload=true", "train.batch_size=2")
+    plan = opt.Plan(stages=["fsdp"], batch_size=2)
+    model = opt.fsdp.apply_fsdp(_toy().cuda(), cfg.opt.fsdp, gpu_group, None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 64, (2, 9), device="cuda")
+    scaler = plan.grad_scaler(gpu_group.device)
+    _, norm = train_step(model, optimizer, scaler, x[:, :-1], x[:, 1:], plan, 1.0)
+    assert torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def test_checkpointed_blocks_compile_per_block() -> None:
+    """scope=block compiles each block's forward, which activation checkpointing replaced:
+    compiling the block module instead would start tracing inside torch's checkpoint code,
+    capture nothing and run eagerly."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = make_cfg("+opt=[ac,compile]", "opt.compile.scope=block", "opt.compile.backend=aot_eager")
+    single = Distributed(rank=0, local_rank=0, world_size=1, device=CPU)
+    model = opt.apply_model_stages(_toy(), cfg.opt, opt.plan(cfg, single), single)
+    _forward_backward(model, steps=1)
+    assert counters["stats"]["unique_graphs"] == 1  # the blocks' shared graph
+    torch._dynamo.reset()
