@@ -18,6 +18,11 @@ and the weight's in float32: under float16 the loss scale of a GradScaler arrive
 backward, and (softmax - onehot) / N would underflow before it does. The chunk's logits buffer
 is the only transient: chunk_size x vocab in the compute dtype, once.
 
+With `float8`, the logits and grad_hidden matmuls run on float8 tensor cores
+(`torch._scaled_mm`): hidden and W in e4m3 with one scale each (from their max), and the
+gradient written a second time by the kernel, in e5m2 with the fixed scale 2**15 (it lies in
+[-1, 1], so no max is needed). W's gradient, a sum over all tokens, stays in the compute dtype.
+
 On CUDA the middle step is a Triton kernel (`kernels/triton_cross_entropy.py`); elsewhere it is
 the same math in PyTorch (log_softmax in float32), which is also the reference the tests use.
 The operator is registered with `torch.library`: a fake implementation for tracing and an
@@ -32,6 +37,26 @@ from collections.abc import Callable
 import torch
 
 OP = "gpt2_recipe::linear_cross_entropy"
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+GRAD8_SCALE = 2.0**15  # |softmax - onehot| <= 1, and e5m2 reaches 57344: a fixed, safe scale
+
+
+def _to_float8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x in e4m3 with one scale (its max maps to e4m3's largest value), and that scale's
+    inverse, which multiplies the matmul's result back."""
+    top = torch.finfo(E4M3).max
+    scale = top / x.detach().abs().amax().float().clamp(min=1e-12)
+    return (x.float() * scale).clamp(-top, top).to(E4M3), scale.reciprocal()
+
+
+def _mm_float8(
+    a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """a @ b of float8 operands, rescaled, in `dtype`: float8 tensor cores on CUDA (a row-major,
+    b column-major), the same arithmetic in float32 elsewhere (the reference)."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=dtype)
+    return ((a.float() @ b.float()) * (a_inv * b_inv)).to(dtype)
 
 
 def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int) -> None:
@@ -54,10 +79,15 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vo
 
 
 def _cross_entropy_rows_torch_(
-    logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, vocab_size: int
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    losses: torch.Tensor,
+    vocab_size: int,
+    grad8: torch.Tensor | None = None,
 ) -> None:
     """The reference of the Triton kernel: each row's loss into `losses`, and `logits`
-    overwritten by softmax - onehot over the first `vocab_size` columns (0 beyond)."""
+    overwritten by softmax - onehot over the first `vocab_size` columns (0 beyond); with
+    `grad8`, that gradient times GRAD8_SCALE in float8 there too."""
     x = logits.float()  # the plain head's upcast: its float32 log-softmax
     x[:, vocab_size:] = float("-inf")  # the padding (x may alias logits: overwritten anyway)
     lse = torch.logsumexp(x, dim=1)
@@ -65,6 +95,8 @@ def _cross_entropy_rows_torch_(
     grad = torch.exp(x - lse[:, None])  # padding: exp(-inf) = 0
     grad[torch.arange(len(targets), device=grad.device), targets] -= 1.0
     logits.copy_(grad)
+    if grad8 is not None:
+        grad8.copy_((grad * GRAD8_SCALE).to(grad8.dtype))
 
 
 def _add_weight_grad_(
@@ -96,14 +128,15 @@ def chunked_linear_cross_entropy(
     vocab_size: int,
     chunk_size: int,
     with_grads: bool,
-    rows_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], None],
+    rows_kernel: Callable[..., None],
+    float8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The operator's body (see the module docstring); `rows_kernel(logits, targets, losses,
-    vocab_size, write_grad)` is the per-row step. Returns the mean loss (float32), the
+    vocab_size, write_grad, grad8)` is the per-row step. Returns the mean loss (float32), the
     unnormalised gradients of hidden (its dtype) and of weight (float32), or two empty tensors
     without `with_grads`."""
     _check(hidden, weight, targets, vocab_size)
-    n = hidden.shape[0]
+    n, dtype = hidden.shape[0], hidden.dtype
     chunk = min(chunk_size, n) if chunk_size > 0 else n
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
     logits_buffer = hidden.new_empty(chunk, weight.shape[0])
@@ -112,12 +145,27 @@ def chunked_linear_cross_entropy(
         grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
     else:
         grad_hidden, grad_weight = hidden.new_empty(0), weight.new_empty(0, dtype=torch.float32)
+    if float8:
+        hidden8, hidden_inv = _to_float8(hidden)
+        weight8, weight_inv = _to_float8(weight)
+        weight8_t = weight8.t().contiguous()  # (C, V): column-major W for grad_hidden's matmul
+        grad8_buffer = torch.empty(chunk, weight.shape[0], dtype=E5M2, device=hidden.device)
+        grad8_inv = torch.tensor(1 / GRAD8_SCALE, device=hidden.device)
     for start in range(0, n, chunk):
-        h, t = hidden[start : start + chunk], targets[start : start + chunk]
-        logits = torch.mm(h, weight.t(), out=logits_buffer[: len(h)])
-        rows_kernel(logits, t, losses[start : start + chunk], vocab_size, with_grads)
+        rows = slice(start, start + chunk)
+        h, t = hidden[rows], targets[rows]
+        if float8:
+            logits = _mm_float8(hidden8[rows], weight8.t(), hidden_inv, weight_inv, dtype)
+        else:
+            logits = torch.mm(h, weight.t(), out=logits_buffer[: len(h)])
+        grad8 = grad8_buffer[: len(h)] if float8 and with_grads else None
+        rows_kernel(logits, t, losses[rows], vocab_size, with_grads, grad8)
         if with_grads:  # logits now holds the gradient of the chunk's summed loss
-            torch.mm(logits, weight, out=grad_hidden[start : start + chunk])
+            if float8:
+                part = _mm_float8(grad8, weight8_t.t(), grad8_inv, weight_inv, dtype)
+                grad_hidden[rows] = part
+            else:
+                torch.mm(logits, weight, out=grad_hidden[rows])
             _add_weight_grad_(grad_weight, logits, h, first=start == 0)
     return losses.sum() / n, grad_hidden, grad_weight
 
@@ -135,14 +183,15 @@ def _linear_cross_entropy(
     block: int,
     num_warps: int,
     with_grads: bool,
+    float8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Any device but CUDA: the PyTorch reference (`block`, `num_warps` are the CUDA kernel's)."""
 
-    def rows(logits, t, losses, vocab, write_grad):
-        _cross_entropy_rows_torch_(logits, t, losses, vocab)
+    def rows(logits, t, losses, vocab, write_grad, grad8):
+        _cross_entropy_rows_torch_(logits, t, losses, vocab, grad8)
 
     return chunked_linear_cross_entropy(
-        hidden, weight, targets.contiguous(), vocab_size, chunk_size, with_grads, rows
+        hidden, weight, targets.contiguous(), vocab_size, chunk_size, with_grads, rows, float8
     )
 
 
@@ -156,19 +205,22 @@ def _linear_cross_entropy_cuda(
     block: int,
     num_warps: int,
     with_grads: bool,
+    float8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from kernels.triton_cross_entropy import cross_entropy_rows_
 
-    def rows(logits, t, losses, vocab, write_grad):
-        cross_entropy_rows_(logits, t, losses, vocab, block, num_warps, write_grad)
+    def rows(logits, t, losses, vocab, write_grad, grad8):
+        cross_entropy_rows_(
+            logits, t, losses, vocab, block, num_warps, write_grad, grad8, GRAD8_SCALE
+        )
 
     return chunked_linear_cross_entropy(
-        hidden, weight, targets.contiguous(), vocab_size, chunk_size, with_grads, rows
+        hidden, weight, targets.contiguous(), vocab_size, chunk_size, with_grads, rows, float8
     )
 
 
 @_linear_cross_entropy.register_fake
-def _(hidden, weight, targets, vocab_size, chunk_size, block, num_warps, with_grads):
+def _(hidden, weight, targets, vocab_size, chunk_size, block, num_warps, with_grads, float8):
     _check(hidden, weight, targets, vocab_size)
     loss = hidden.new_empty((), dtype=torch.float32)
     if not with_grads:
@@ -198,7 +250,7 @@ def _backward(ctx, grad_loss: torch.Tensor, _grad_hidden, _grad_weight):
     return (
         (grad_hidden.float() * scale).to(grad_hidden.dtype),
         (grad_weight * scale).to(ctx.weight_dtype),
-        None, None, None, None, None, None,
+        None, None, None, None, None, None, None,
     )  # fmt: skip
 
 
@@ -234,15 +286,17 @@ def linear_cross_entropy(
     chunk_size: int = 0,
     block: int = 8192,
     num_warps: int = 16,
+    float8: bool = False,
 ) -> torch.Tensor:
     """The mean over the N tokens of cross_entropy(hidden @ weight[:vocab_size]^T, targets):
     hidden (N, C), weight (V >= vocab_size, C), targets (N,) int64 in [0, vocab_size).
 
     chunk_size: tokens per chunk (0: all at once), the logits buffer's height. block, num_warps:
     the CUDA kernel's columns per step (>= V: each row in one pass) and warps per row.
+    float8: the logits and the hidden states' gradient from float8 matmuls (see above).
     Gradients are computed in the forward pass only when autograd will need them."""
     with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, _, _ = _linear_cross_entropy(
-        hidden, weight, targets, vocab_size, chunk_size, block, num_warps, with_grads
+        hidden, weight, targets, vocab_size, chunk_size, block, num_warps, with_grads, float8
     )
     return loss

@@ -33,11 +33,14 @@ def _cross_entropy_rows_kernel(
     logits_ptr,  # (rows, N_COLS), the compute dtype: read, then overwritten by the gradient
     targets_ptr,  # (rows,) int64
     losses_ptr,  # (rows,) float32: written
+    grad8_ptr,  # (rows, N_COLS) float8_e5m2: the gradient times GRAD8_SCALE, if WRITE_GRAD8
     vocab_size,  # columns >= vocab_size are padding
     N_COLS: tl.constexpr,  # the row length (and stride): the padded vocabulary, fixed per model
     BLOCK: tl.constexpr,  # columns per step; the whole (power-of-two-padded) row if ONE_PASS
     ONE_PASS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,  # False: the loss only (evaluation)
+    WRITE_GRAD8: tl.constexpr,  # also a float8 copy of the gradient, for a float8 matmul
+    GRAD8_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # rows * N_COLS can exceed 2**31
     row_ptr = logits_ptr + row * N_COLS
@@ -57,6 +60,9 @@ def _cross_entropy_rows_kernel(
             p = e * (1.0 / total)
             grad = tl.where(cols == target, p - 1.0, p)
             tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=inside)
+            if WRITE_GRAD8:
+                grad8 = (grad * GRAD8_SCALE).to(grad8_ptr.dtype.element_ty)
+                tl.store(grad8_ptr + row * N_COLS + cols, grad8, mask=inside)
     else:
         row_max = tl.full([], float("-inf"), tl.float32)
         total = tl.zeros([], tl.float32)
@@ -76,6 +82,9 @@ def _cross_entropy_rows_kernel(
                 p = tl.where(c < vocab_size, tl.exp2(x - lse2), 0.0)
                 grad = tl.where(c == target, p - 1.0, p)
                 tl.store(row_ptr + c, grad.to(logits_ptr.dtype.element_ty), mask=inside)
+                if WRITE_GRAD8:
+                    grad8 = (grad * GRAD8_SCALE).to(grad8_ptr.dtype.element_ty)
+                    tl.store(grad8_ptr + row * N_COLS + c, grad8, mask=inside)
     tl.store(losses_ptr + row, lse2 * LN2 - target_logit)
 
 
@@ -87,20 +96,26 @@ def cross_entropy_rows_(
     block: int,
     num_warps: int,
     write_grad: bool = True,
+    grad8: torch.Tensor | None = None,
+    grad8_scale: float = 1.0,
 ) -> None:
     """Writes each row's loss into `losses` and, if `write_grad`, overwrites `logits` (rows,
     n_cols, contiguous) with (softmax - onehot(targets)) over its first `vocab_size` columns and
-    0 over the rest. `block` >= n_cols loads each row once (see the module docstring)."""
+    0 over the rest, and writes that gradient times `grad8_scale` into `grad8` (float8) if given.
+    `block` >= n_cols loads each row once (see the module docstring)."""
     rows, n_cols = logits.shape
     one_pass = block >= n_cols
     _cross_entropy_rows_kernel[(rows,)](
         logits,
         targets,
         losses,
+        grad8 if grad8 is not None else losses,  # unused without WRITE_GRAD8
         vocab_size,
         N_COLS=n_cols,
         BLOCK=triton.next_power_of_2(n_cols) if one_pass else block,
         ONE_PASS=one_pass,
         WRITE_GRAD=write_grad,
+        WRITE_GRAD8=write_grad and grad8 is not None,
+        GRAD8_SCALE=grad8_scale,
         num_warps=num_warps,
     )

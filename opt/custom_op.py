@@ -39,9 +39,11 @@ def apply_custom_op(model: GPT, cfg: DictConfig) -> None:
         chunk_size=cfg.chunk_size,
         block=cfg.block,
         num_warps=cfg.num_warps,
+        float8=cfg.float8,
     )
     chunk = "all tokens" if cfg.chunk_size == 0 else f"{cfg.chunk_size} tokens"
     log(
         f"[opt] custom_op: fused head + cross-entropy, chunks of {chunk}, "
         f"kernel block={cfg.block}, num_warps={cfg.num_warps}"
+        + (", float8 matmuls" if cfg.float8 else "")
     )

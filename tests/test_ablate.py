@@ -73,7 +73,7 @@ def test_quick_ladder_publishes_and_survives_failed_steps(tmp_path) -> None:
     assert statuses == ["ok", "ok", "oom", "failed", "ok", "ok"]
     ok = [row for row in result["steps"] if row["status"] == "ok"]
     assert all(row["tokens_per_sec"] > 0 and row["measured_steps"] == 12 for row in ok)
-    assert "not divisible" in result["steps"][3]["error"]
+    assert "must be divisible by model.n_head=3" in result["steps"][3]["error"]
     assert result["environment"]["git_commit"] and result["environment"]["torch"]
 
     table = (folder / "quick.md").read_text()
