@@ -88,8 +88,8 @@ def autograd_step(loss_fn: Callable) -> Step:
 def reference_step(chunk_size: int) -> Step:
     """The operator's PyTorch path on the GPU (no Triton): what the kernel replaces."""
 
-    def rows(logits, targets, losses, vocab_size, write_grad):
-        _cross_entropy_rows_torch_(logits, targets, losses, vocab_size)
+    def rows(logits, targets, losses, vocab_size, write_grad, grad8):
+        _cross_entropy_rows_torch_(logits, targets, losses, vocab_size, grad8)
 
     def step(x: Inputs) -> Result:
         h, w = x.hidden.detach(), x.weight.detach()
@@ -189,6 +189,10 @@ def bench_shape(shape: str, tokens: int, width: int, args, device: torch.device)
         op = functools.partial(linear_cross_entropy, chunk_size=chunk, block=block, num_warps=warps)
         knobs = {"chunk_size": chunk, "block": block, "num_warps": warps}
         variants.append((f"op chunk={chunk} block={block} warps={warps}", autograd_step(op), knobs))
+    for chunk in (0, DEFAULT_CHUNK):  # float8 matmuls for the logits and grad_hidden
+        op = functools.partial(linear_cross_entropy, chunk_size=chunk, float8=True)
+        knobs = {"chunk_size": chunk, "float8": True}
+        variants.append((f"op chunk={chunk} float8", autograd_step(op), knobs))
     default_op = functools.partial(linear_cross_entropy, chunk_size=DEFAULT_CHUNK)
     if not args.no_compile:
         step = autograd_step(torch.compile(default_op))

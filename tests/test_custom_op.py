@@ -321,7 +321,9 @@ def test_the_benchmark_harness_runs_and_reports(tmp_path) -> None:
     rows = {r["variant"]: r for r in report["head"]}
     assert rows["eager plain head"]["rel_error"]["loss"] == 0
     fused = [r for name, r in rows.items() if name.startswith("op ")]
-    assert len(fused) == 11 and all(max(r["rel_error"].values()) < 1e-2 for r in fused)
+    assert len(fused) == 13
+    for r in fused:  # float8 changes the math: a looser bound
+        assert max(r["rel_error"].values()) < (0.15 if r.get("float8") else 1e-2), r
     assert json.loads((tmp_path / "head_op.json").read_text())["head"] == report["head"]
     assert "| eager plain head |" in (tmp_path / "head_op.md").read_text()
 
