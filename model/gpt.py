@@ -110,6 +110,9 @@ class GPT(nn.Module):
         # +opt=custom_op: one fused operator in place of the logits and the cross-entropy when
         # there are targets (opt/custom_op.py). None: the plain head.
         self.fused_loss: FusedLoss | None = None
+        # +opt=amp with opt.amp.residual=compute: the residual stream (the running sum of the
+        # blocks' outputs) in the compute dtype instead of the weights' float32. None: as is.
+        self.residual_dtype: torch.dtype | None = None
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) at init.
         for name, p in self.named_parameters():
@@ -143,7 +146,8 @@ class GPT(nn.Module):
         if self.config.block_size < T:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
-        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        return x if self.residual_dtype is None else x.to(self.residual_dtype)
 
     def head(
         self, x: torch.Tensor, targets: torch.Tensor | None = None

@@ -65,6 +65,7 @@ class Plan:
     amp_dtype: torch.dtype | None = None  # the amp stage's compute dtype; None: fp32
     pure_low_precision: bool = False  # FSDP casts the parameters to amp_dtype: no autocast
     scale_loss: bool = False  # float16: scale the loss so that small gradients survive
+    residual_dtype: torch.dtype | None = None  # the residual stream's dtype; None: float32
     optimizer_kwargs: dict = field(default_factory=dict)
 
     @property
@@ -136,7 +137,7 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
         p.loader = apply_non_blocking(p.loader, device)
     apply_tf32("tf32" in stages)  # sets (or resets) the global matmul precision
     if "amp" in stages:
-        p.amp_dtype, p.scale_loss = apply_amp(opt.amp, device)
+        p.amp_dtype, p.scale_loss, p.residual_dtype = apply_amp(opt.amp, device)
         p.pure_low_precision = "fsdp" in stages and pure_low_precision(opt.fsdp)
     for impl in IMPLEMENTATIONS:
         if impl in stages:
@@ -151,6 +152,7 @@ def apply_model_stages(
 
     `model` itself stays the plain module (changed in place), for checkpoints and sampling.
     A multi-process run without +opt=fsdp uses DDP with conf/opt/ddp.yaml's knobs."""
+    model.residual_dtype = p.residual_dtype  # opt.amp.residual (planned with the numerics)
     if "custom_op" in p.stages:
         apply_custom_op(model, opt.custom_op)
     if "ac" in p.stages:

@@ -13,8 +13,18 @@ from recipe.distributed import log
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def apply_amp(cfg: DictConfig, device: torch.device) -> tuple[torch.dtype, bool]:
-    """Returns the compute dtype and whether the loss must be scaled."""
+RESIDUALS = ("float32", "compute")
+
+
+def apply_amp(
+    cfg: DictConfig, device: torch.device
+) -> tuple[torch.dtype, bool, torch.dtype | None]:
+    """Returns the compute dtype, whether the loss must be scaled, and the residual stream's
+    dtype (None: float32, as the weights; `residual=compute`: the compute dtype, which halves the
+    bytes that LayerNorms, residual adds and their gradients move, at the cost of rounding the
+    running sum of the blocks' outputs)."""
+    if cfg.residual not in RESIDUALS:
+        raise ValueError(f"opt.amp.residual={cfg.residual!r}: choose one of {', '.join(RESIDUALS)}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"opt.amp.dtype={cfg.dtype!r}: choose float16 or bfloat16")
     dtype = DTYPES[cfg.dtype]
@@ -26,5 +36,9 @@ def apply_amp(cfg: DictConfig, device: torch.device) -> tuple[torch.dtype, bool]
     if not torch.amp.autocast_mode.is_autocast_available(device.type):
         raise ValueError(f"+opt=amp: autocast is not available on device type {device.type!r}")
     scaled = dtype == torch.float16
-    log(f"[opt] amp: {cfg.dtype} mixed precision{', with a GradScaler' if scaled else ''}")
-    return dtype, scaled
+    residual = dtype if cfg.residual == "compute" else None
+    log(
+        f"[opt] amp: {cfg.dtype} mixed precision{', with a GradScaler' if scaled else ''}"
+        f"{f', residual stream in {cfg.dtype}' if residual else ''}"
+    )
+    return dtype, scaled, residual

@@ -37,6 +37,10 @@ def apply_compile(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False
         raise ValueError(
             f"opt.compile.backend={cfg.backend!r}: choose one of {', '.join(sorted(backends))}"
         )
+    # Process-wide, set (or reset) on every call like tf32: Inductor's kernel tuning.
+    import torch._inductor.config as inductor_config
+
+    inductor_config.coordinate_descent_tuning = cfg.coordinate_descent
     # Inductor's modes; other backends take none.
     options = {"backend": cfg.backend, "mode": cfg.mode if cfg.backend == "inductor" else None}
     if cfg.scope == "model" and not sharded:
@@ -54,7 +58,7 @@ def apply_compile(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False
         pieces = "each block"
     log(
         f"[opt] compile: {pieces}; mode={cfg.mode}, backend={cfg.backend}, scope={cfg.scope}, "
-        f"fullgraph={cfg.fullgraph}"
+        f"fullgraph={cfg.fullgraph}, coordinate_descent={cfg.coordinate_descent}"
     )
 
 

@@ -203,6 +203,25 @@ def test_amp_runs_matmuls_in_the_chosen_dtype(dtype: str) -> None:
     assert plan.scale_loss == (dtype == "float16")
 
 
+@pytest.mark.parametrize(
+    "residual,expected", [("float32", torch.float32), ("compute", torch.bfloat16)]
+)
+def test_amp_residual_sets_the_residual_streams_dtype(residual: str, expected) -> None:
+    cfg = tiny_cfg("+opt=amp", "opt.amp.dtype=bfloat16", f"opt.amp.residual={residual}")
+    plan = opt.plan(cfg, SINGLE)
+    model = _toy()
+    opt.apply_model_stages(model, cfg.opt, plan, SINGLE)
+    seen = []
+    for block in model.transformer.h:
+        block.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    with plan.autocast(CPU):
+        _, loss = model(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
+    loss.backward()
+    assert seen == [(expected, expected)] * 2 and loss.dtype == torch.float32
+    with pytest.raises(ValueError, match="opt.amp.residual='half'"):
+        opt.plan(tiny_cfg("+opt=amp", "opt.amp.residual=half"), SINGLE)
+
+
 def test_float16_scaler_is_live_and_skips_an_overflowing_step() -> None:
     plan = opt.plan(tiny_cfg("+opt=amp", "opt.amp.dtype=float16"), SINGLE)
     model = _toy()
@@ -448,3 +467,13 @@ def test_ddp_accumulation_all_reduces_only_on_the_last_micro_step(tmp_path) -> N
         assert (
             len(reduced) == buckets
         )  # each bucket once per optimizer step, not once per micro-step
+
+
+def test_compile_coordinate_descent_sets_and_resets_inductors_tuning() -> None:
+    import torch._inductor.config as inductor_config
+
+    opt.compile.apply_compile(_toy(), _knobs("compile", coordinate_descent=True))
+    assert inductor_config.coordinate_descent_tuning
+    opt.compile.apply_compile(_toy(), _knobs("compile"))
+    assert not inductor_config.coordinate_descent_tuning
+    torch._dynamo.reset()
