@@ -123,6 +123,19 @@ def read(run_dir: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def load_model(run_dir: Path, device: torch.device | str = "cpu") -> tuple[Any, dict[str, Any]]:
+    """A trained model from a run folder, rebuilt from its checkpoint alone (the model's saved
+    shape, then its weights), and the run's saved config: for sampling, evaluation, export."""
+    from model import GPT, GPTConfig
+
+    state = read(run_dir)
+    if "model_config" not in state:
+        check_shape(state, None)  # explains that the checkpoint is too old
+    model = GPT(GPTConfig(**state["model_config"]))
+    model.load_state_dict(state["model"])
+    return model.to(device), state["config"]
+
+
 def check_shape(state: dict[str, Any], config: Any) -> None:
     """Refuses a checkpoint whose model shape differs from `config` (a GPTConfig), naming the
     first setting that differs and both values."""
