@@ -117,8 +117,8 @@ def read(run_dir: Path) -> dict[str, Any]:
     path = run_dir / FILENAME
     if not path.exists():
         raise FileNotFoundError(
-            f"train.resume=true, but there is no checkpoint at {path}. Point hydra.run.dir at "
-            "the folder of the run to continue, or drop train.resume to start afresh."
+            f"there is no checkpoint at {path}: point at the folder of a run that saved one "
+            "(train.checkpoint_interval > 0, or a run that reached its end or was stopped)"
         )
     return torch.load(path, map_location="cpu", weights_only=True)
 
