@@ -45,7 +45,7 @@ VOCAB, PADDED_VOCAB = 50257, 50304
 CHUNKS = (0, 16384, 8192, 4096, 2048)  # 0: all tokens at once
 # (block, num_warps): two passes over blocks of 4096-16384 columns, or one pass (65536 >= row).
 KERNELS = ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (65536, 16), (65536, 32))
-DEFAULT_CHUNK, DEFAULT_KERNEL = 8192, (8192, 16)  # conf/opt/custom_op.yaml
+DEFAULT_CHUNK, DEFAULT_KERNEL = 8192, (8192, 16)  # the chunk kernel configs are compared at
 GiB = 1024**3
 
 
