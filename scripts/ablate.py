@@ -46,6 +46,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from recipe.distributed import descendants, torchrun  # noqa: E402
+from recipe.provenance import git_commit  # noqa: E402
 
 OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|not enough memory|Cannot allocate memory")
 # The per-step numbers, from the run's summary.json: (column, summary key).
@@ -236,21 +237,6 @@ def stop(procs: list[subprocess.Popen], grace_s: float = 20) -> None:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
     for p in running:
         p.wait()
-
-
-def git_commit() -> str:
-    """The checkout's commit; where there is no git repository (a copied tree on a GPU machine)
-    the caller names it in GPT2_RECIPE_COMMIT."""
-
-    def git(*args: str) -> str:
-        command = ["git", "-C", str(ROOT), *args]
-        return subprocess.run(command, capture_output=True, text=True).stdout.strip()
-
-    commit = git("rev-parse", "--short=12", "HEAD")
-    if not commit:
-        return os.environ.get("GPT2_RECIPE_COMMIT", "unknown")
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return commit + (" (with uncommitted changes)" if dirty else "")
 
 
 def environment(argv: list[str]) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import functools
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from kernels.linear_cross_entropy import (  # noqa: E402
     chunked_linear_cross_entropy,
     linear_cross_entropy,
 )
+from recipe.provenance import git_commit  # noqa: E402
 
 SHAPES = {"gpt2": (32768, 768), "gpt2-xl": (16384, 1600)}  # (tokens = batch x 1024, width)
 VOCAB, PADDED_VOCAB = 50257, 50304
@@ -329,14 +329,12 @@ def main(argv: list[str] | None = None) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()  # fmt: skip
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton_version,
         "date": date.today().isoformat(),
-        "commit": commit,
+        "commit": git_commit(),
         "command": "python scripts/bench_head.py " + " ".join(argv or sys.argv[1:]),
         "repeats": args.repeats,
         "head": [],

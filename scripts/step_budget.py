@@ -83,10 +83,28 @@ def roofline_ms(a: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def step_spans(trace: dict) -> list[tuple[float, float]]:
+    """The recorded steps on the GPU's timeline (the profiler's `ProfilerStep#N` ranges as the
+    GPU executed them); empty for a trace that has none."""
+    return [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in trace["traceEvents"]
+        if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("ProfilerStep#")
+    ]
+
+
 def budget(trace: dict, steps: int) -> dict[str, Any]:
+    """Per-step GPU time by family. The window is the recorded steps as the GPU ran them when
+    the trace marks them (kernels launched earlier but run inside count; those outside do not),
+    else first to last kernel over `steps`."""
     events = gpu_events(trace)
     if not events:
         raise SystemExit("no GPU kernels in this trace: was it recorded on a GPU (+prof=trace)?")
+    spans = step_spans(trace)
+    if spans:
+        first, last = min(a for a, _ in spans), max(b for _, b in spans)
+        events = [e for e in events if first <= e["ts"] < last]
+        steps = len(spans)
     per_family: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     top: dict[str, float] = defaultdict(float)
@@ -95,9 +113,10 @@ def budget(trace: dict, steps: int) -> dict[str, Any]:
         per_family[fam] += e["dur"]
         counts[fam] += 1
         top[e.get("name", "")[:120]] += e["dur"]
-    start = min(e["ts"] for e in events)
-    window = max(e["ts"] + e["dur"] for e in events) - start
-    busy = busy_time([(e["ts"], e["ts"] + e["dur"]) for e in events])
+    start = first if spans else min(e["ts"] for e in events)
+    end = last if spans else max(e["ts"] + e["dur"] for e in events)
+    window = end - start
+    busy = busy_time([(e["ts"], min(e["ts"] + e["dur"], end)) for e in events])
     per_family["idle"] = window - busy
     ms = {k: v / 1e3 / steps for k, v in per_family.items()}
     return {

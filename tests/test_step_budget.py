@@ -43,3 +43,22 @@ def test_kernels_fall_into_their_families_and_gaps_are_idle() -> None:
 def test_a_cpu_trace_is_refused_with_a_reason() -> None:
     with pytest.raises(SystemExit, match="no GPU kernels"):
         step_budget.budget({"traceEvents": [{"cat": "cpu_op", "dur": 3, "ts": 0}]}, steps=1)
+
+
+def test_the_window_is_the_recorded_steps_as_the_gpu_ran_them() -> None:
+    """Kernels before or after the profiler's steps (launched in a warm-up step, or still
+    queued) stay out, so per-step times equal an unprofiled step's."""
+    step = {"cat": "gpu_user_annotation", "name": "ProfilerStep#7", "ts": 100, "dur": 50}
+    trace = {
+        "traceEvents": [
+            step,
+            _kernel("nvjet_gemm", 80, 30),  # started before the step: not counted
+            _kernel("nvjet_gemm", 110, 20),
+            _kernel("triton_poi_fused_gelu_1", 140, 5),
+            _kernel("nvjet_gemm", 160, 40),  # after the step
+        ]
+    }
+    result = step_budget.budget(trace, steps=3)  # the trace's own step count wins
+    assert result["steps"] == 1 and result["step_ms"] == pytest.approx(0.050)
+    assert result["family_ms"]["matmul"] == pytest.approx(0.020)
+    assert result["family_ms"]["idle"] == pytest.approx(0.025)
