@@ -154,6 +154,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     profiler = Profiler(cfg.prof, run_dir, dist.device, enabled=dist.is_main)  # memory: from here
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
     start_step = resumed["step"] if resumed else 0
+    start_sample = resumed["samples"] if resumed else 0  # the data position: samples consumed
     max_steps, log_interval = cfg.train.max_steps, cfg.train.log_interval
 
     # ---- data: prepared once per machine by its first process (atomic: a shared cache is
@@ -170,7 +171,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed, options=plan.loader
     )
     train_loader = data.build_loader(
-        splits["train"], plan.batch_size, start_step=start_step, **loader_args
+        splits["train"], plan.batch_size, start_sample=start_sample, **loader_args
     )
     val_loader = data.build_eval_loader(
         splits["val"], cfg.train.eval_sequences, plan.micro_batch_size, **loader_args
@@ -189,14 +190,15 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     scaler = plan.grad_scaler(dist.device)
     guard = NonFiniteGuard(dist.device, dist, cfg.train.max_bad_steps)
     if resumed:
-        checkpoint.restore(resumed, model, optimizer, scaler)
+        checkpoint.restore(resumed, model, optimizer, scaler, rank=dist.rank)
 
     # ---- the run folder: its config, the metrics so far (on resume), the logger
     resolved = config.resolved(cfg, model.config)
     history = folder.cut_metrics(start_step) if folder and resumed else []
     if folder:
         config.save(run_dir, resolved, overrides)
-    tokens_per_step = plan.batch_size * dist.world_size * cfg.model.block_size
+    samples_per_step = plan.batch_size * dist.world_size
+    tokens_per_step = samples_per_step * cfg.model.block_size
     perf_args = dict(
         tokens_per_step=tokens_per_step,
         flops_per_token=model.flops_per_token(cfg.model.block_size),
@@ -271,6 +273,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
             stopping = dist.any_one_step_late(stop.requested)  # no barrier: agreed a step later
             every = cfg.train.checkpoint_interval
             if (every and (step % every == 0 or step == max_steps)) or stopping:
+                run_state["samples"] = start_sample + (step - start_step) * samples_per_step
                 checkpoint.save(run_dir, dist, model, optimizer, scaler, step, run_state)
                 timer.start()
             if stopping:

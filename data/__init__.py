@@ -96,7 +96,7 @@ def build_loader(
     world_size: int,
     seed: int,
     options: LoaderOptions,
-    start_step: int = 0,
+    start_sample: int = 0,
     num_steps: int | None = None,
 ) -> DataLoader:
     """A DataLoader yielding this rank's (batch_size, block_size + 1) batch for each step."""
@@ -106,7 +106,7 @@ def build_loader(
         rank=rank,
         world_size=world_size,
         seed=seed,
-        start_step=start_step,
+        start_sample=start_sample,
         num_steps=num_steps,
     )
     return DataLoader(dataset, batch_sampler=sampler, **_loader_kwargs(options))

@@ -1,11 +1,19 @@
 """Checkpoints that survive preemption: everything needed to continue a run exactly, written
 atomically, read back safely, and never from broken weights.
 
-Contents: model and optimizer state (full, unsharded, keyed by parameter name, so that a run may
-resume with another number of GPUs or another set of stages), the AMP grad scaler, the step, the
-RNG states, the data position (the step: the sampler derives the order from it), and what is
-needed to rebuild and continue the run without its command line: the resolved config, the
-model's real shape (`model_config`, also for a pretrained start), the stages and the wandb run id.
+Two layouts, one interface (`save`, `read`, `restore`, `load_model`):
+- `checkpoint.pt`, one file written by rank 0 (a single process, DDP): the full, unsharded model
+  and optimizer state keyed by parameter name.
+- `checkpoint.dcp/` under FSDP: torch.distributed.checkpoint (DCP) shards, each rank writing its
+  own (nothing is gathered on one rank), in `step-<N>/`, with `LATEST` naming the complete one.
+  DCP reshards on load, so a run resumes on another number of processes, or in one process
+  without FSDP; `scripts/consolidate_checkpoint.py` turns it into one `checkpoint.pt`.
+Both are replaced atomically: a save killed midway leaves the previous checkpoint readable.
+
+Besides the weights: the AMP grad scaler, the step, the data position (samples consumed, so a
+resume with another batch or GPU count continues the same data stream), every rank's RNG states,
+and what rebuilds and continues the run without its command line: the resolved config, the
+model's real shape (`model_config`, also for a pretrained start), the stages, the wandb run id.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -29,6 +38,12 @@ from torch.distributed.tensor import DTensor
 from recipe.distributed import Distributed
 
 FILENAME = "checkpoint.pt"
+SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt) and LATEST
+META = "meta.pt"
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _weights_finite(model: torch.nn.Module, dist: Distributed) -> bool:
@@ -40,9 +55,17 @@ def _weights_finite(model: torch.nn.Module, dist: Distributed) -> bool:
     return not dist.any(not finite)
 
 
+def _rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
 def _remove_stale_temporaries(folder: Path) -> None:
-    """Deletes `checkpoint.tmp-<pid>` files left by processes that were killed while saving."""
-    for tmp in folder.glob(f"{Path(FILENAME).stem}.tmp-*"):
+    """Deletes `*.tmp-<pid>` files left by processes that were killed while saving."""
+    for tmp in [*folder.glob(f"{FILENAME}.tmp-*"), *folder.glob("*.pt.tmp-*"),
+                *folder.glob(f"{Path(FILENAME).stem}.tmp-*")]:  # fmt: skip
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _alive(int(pid)):
             tmp.unlink(missing_ok=True)
@@ -58,6 +81,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def write_atomically(path: Path, state: Any) -> None:
+    """torch.save to `path` through a temporary file renamed over it (atomic on POSIX); on a
+    failure the error names the cause and the free space, and `path` is left as it was."""
+    _remove_stale_temporaries(path.parent)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        free = shutil.disk_usage(path.parent).free / 1e9
+        raise RuntimeError(
+            f"could not write {path} ({e}); {free:.1f} GB free on its disk. The previous "
+            "checkpoint is unchanged; free some space or point hydra.run.dir elsewhere."
+        ) from e
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def save(
     run_dir: Path,
     dist: Distributed,
@@ -67,54 +111,71 @@ def save(
     step: int,
     run_state: dict[str, Any],
 ) -> Path:
-    """Writes `checkpoint.pt` in the run folder, with `run_state` (config, model_config, stages,
-    wandb_id). A collective: every rank must call it (sharded state is gathered); rank 0 writes.
-    The file is replaced atomically: a save killed midway leaves the previous checkpoint intact,
-    and weights that are not finite are never saved (the last good checkpoint stays)."""
-    path = run_dir / FILENAME
+    """Writes the run's checkpoint (sharded under FSDP, else one file), with `run_state`
+    (samples consumed, config, model_config, stages, wandb_id). A collective: every rank must
+    call it. Weights that are not finite are never saved: the last good checkpoint stays."""
     if not _weights_finite(model, dist):
-        kept = f"step {read(run_dir)['step']}'s is kept" if path.exists() else "there is none"
+        kept = "there is none"
+        if (run_dir / FILENAME).exists() or (run_dir / SHARDED / "LATEST").exists():
+            kept = f"step {read(run_dir)['step']}'s is kept"
         raise RuntimeError(
             f"step {step}: the weights are not finite, so no checkpoint was written (the last "
             f"good one: {kept}). Try a lower train.lr or opt.amp.dtype=bfloat16."
         )
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state, optim_state = get_state_dict(model, optimizer, options=options)
-    if dist.is_main:
-        state = {
-            "model": model_state,
-            "optimizer": optim_state,
-            "scaler": scaler.state_dict(),
-            "step": step,
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
-            **run_state,
-        }
-        _remove_stale_temporaries(run_dir)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # atomic on POSIX
-        except (OSError, RuntimeError) as e:
-            free = shutil.disk_usage(run_dir).free / 1e9
-            raise RuntimeError(
-                f"could not write {path} ({e}); {free:.1f} GB free on its disk. The previous "
-                "checkpoint is unchanged; free some space or point hydra.run.dir elsewhere."
-            ) from e
-        finally:
-            tmp.unlink(missing_ok=True)
+    meta = {"scaler": scaler.state_dict(), "step": step, "rng": dist.gather(_rng_state()),
+            **run_state}  # fmt: skip
+    if _is_sharded(model):
+        path = _save_sharded(run_dir, dist, model, optimizer, step, meta)
+    else:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+        path = run_dir / FILENAME
+        if dist.is_main:
+            write_atomically(path, {"model": model_state, "optimizer": optim_state, **meta})
     dist.barrier()
     return path
 
 
+def _save_sharded(
+    run_dir: Path,
+    dist: Distributed,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    meta: dict[str, Any],
+) -> Path:
+    """Every rank writes its shards into `checkpoint.dcp/step-<N>/`; once all have, rank 0 adds
+    the metadata and points `LATEST` at it (an atomic rename), then removes older steps."""
+    root = run_dir / SHARDED
+    target = root / f"step-{step:08d}"
+    if dist.is_main:
+        shutil.rmtree(target, ignore_errors=True)  # a half-written attempt at this step
+        root.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=target)
+    dist.barrier()  # every shard is on disk
+    if dist.is_main:
+        write_atomically(target / META, meta)
+        latest = root / "LATEST"
+        tmp = root / f"LATEST.tmp-{os.getpid()}"
+        tmp.write_text(target.name)
+        os.replace(tmp, latest)
+        for old in root.glob("step-*"):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
 def read(run_dir: Path) -> dict[str, Any]:
-    """Loads the run's checkpoint onto the CPU, accepting only tensors and plain containers."""
-    path = run_dir / FILENAME
+    """The run's checkpoint onto the CPU, accepting only tensors and plain containers: the whole
+    state of a `checkpoint.pt`, or a sharded checkpoint's metadata plus `sharded`, its folder
+    (the weights stay on disk until `restore` or `load_model` reads them into place)."""
+    path, latest = run_dir / FILENAME, run_dir / SHARDED / "LATEST"
+    if latest.exists() and (not path.exists() or path.stat().st_mtime < latest.stat().st_mtime):
+        folder = run_dir / SHARDED / latest.read_text().strip()
+        state = torch.load(folder / META, map_location="cpu", weights_only=True)
+        return {**state, "sharded": folder}
     if not path.exists():
         raise FileNotFoundError(
             f"there is no checkpoint at {path}: point at the folder of a run that saved one "
@@ -125,27 +186,32 @@ def read(run_dir: Path) -> dict[str, Any]:
 
 def load_model(run_dir: Path, device: torch.device | str = "cpu") -> tuple[Any, dict[str, Any]]:
     """A trained model from a run folder, rebuilt from its checkpoint alone (the model's saved
-    shape, then its weights), and the run's saved config: for sampling, evaluation, export."""
+    shape, then its weights; a sharded checkpoint is read whole in this one process), and the
+    run's saved config: for sampling, evaluation, export."""
     from model import GPT, GPTConfig
 
     state = read(run_dir)
-    if "model_config" not in state:
-        check_shape(state, None)  # explains that the checkpoint is too old
+    check_shape(state, None)
     model = GPT(GPTConfig(**state["model_config"]))
-    model.load_state_dict(state["model"])
+    if "sharded" in state:
+        weights = {"model": model.state_dict()}
+        dcp.load(weights, checkpoint_id=state["sharded"], no_dist=True)
+        model.load_state_dict(weights["model"])
+    else:
+        model.load_state_dict(state["model"])
     return model.to(device), state["config"]
 
 
 def check_shape(state: dict[str, Any], config: Any) -> None:
-    """Refuses a checkpoint whose model shape differs from `config` (a GPTConfig), naming the
-    first setting that differs and both values."""
+    """Refuses a checkpoint whose model shape differs from `config` (a GPTConfig; None: only
+    checks that the checkpoint records its shape), naming the first setting that differs."""
     saved = state.get("model_config")
     if saved is None:
         raise ValueError(
             "this checkpoint was written by an older version of the recipe (it has no "
             "model_config): start a new run"
         )
-    for key, value in dataclasses.asdict(config).items():
+    for key, value in (dataclasses.asdict(config) if config else {}).items():
         if key in saved and saved[key] != value and key != "dropout":
             raise ValueError(
                 f"the checkpoint's model has {key}={saved[key]!r}, this run's has {value!r}: "
@@ -158,22 +224,34 @@ def restore(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
+    rank: int = 0,
 ) -> int:
-    """Puts a checkpoint's state back (sharding it as the model is sharded); returns its step.
-    The stages may differ from the saved run's: a float16 scaler starts afresh when the run was
-    saved without one, and a saved scale is dropped when this run needs none."""
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-        options=StateDictOptions(full_state_dict=True),
-    )
+    """Puts a checkpoint's state back, sharded as the model now is (a sharded checkpoint is
+    resharded by DCP: another process count, or one process); returns its step. The stages may
+    differ from the saved run's: a float16 scaler starts afresh when the run was saved without
+    one, and a saved scale is dropped when this run needs none. Each rank takes its own saved
+    RNG states (rank modulo the saved ranks, when there are now more)."""
+    if "sharded" in state:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        loaded = {"model": model_state, "optimizer": optim_state}
+        dcp.load(loaded, checkpoint_id=state["sharded"])
+        set_state_dict(
+            model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
+        )
+    else:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
     if state["scaler"] and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    rng = state["rng"][rank % len(state["rng"])]
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
     return state["step"]
 
 

@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,14 @@ class Distributed:
             if not value.is_cuda:  # gloo has no AVG
                 value /= self.world_size
         return value
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (over the CPU group)."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=_cpu_group())
+        return out
 
     def any(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on any, now (a blocking all-reduce on the CPU

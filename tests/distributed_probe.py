@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import opt  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from recipe import distributed  # noqa: E402
+from recipe.guard import NonFiniteGuard  # noqa: E402
 from train import train_step  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -50,9 +51,10 @@ def _losses(*stages: str, steps: int = 3, **knobs: dict) -> list[float]:
     batches = torch.randint(
         0, 64, (steps, 4, 9), generator=torch.Generator().manual_seed(dist.rank)
     )
-    losses = []
+    guard, losses = NonFiniteGuard(dist.device, dist, max_bad_steps=3), []
     for batch in batches:
-        loss, _ = train_step(train_model, optimizer, scaler, batch[:, :-1], batch[:, 1:], plan, 1.0)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        loss, _ = train_step(train_model, optimizer, scaler, inputs, targets, plan, 1.0, guard)
         losses.append(loss.item())
     return losses
 

@@ -122,11 +122,11 @@ def test_corrupt_or_missing_token_files_say_how_to_fix(shakespeare, tmp_path) ->
         data.load_splits(cfg, block_size=32, seed=0)
 
 
-def _batches(dataset, batch_size, steps, *, rank=0, world_size=1, start_step=0, workers=0):
+def _batches(dataset, batch_size, steps, *, rank=0, world_size=1, start_sample=0, workers=0):
     options = data.LoaderOptions(num_workers=workers, prefetch_factor=2 if workers else None)
     loader = data.build_loader(
         dataset, batch_size, rank=rank, world_size=world_size, seed=3, options=options,
-        start_step=start_step, num_steps=steps,
+        start_sample=start_sample, num_steps=steps,
     )  # fmt: skip
     return list(loader)
 
@@ -146,8 +146,19 @@ def test_batches_do_not_depend_on_the_number_of_ranks(shakespeare, loader: str) 
 def test_resuming_from_a_step_continues_the_same_order(shakespeare) -> None:
     train = data.load_splits(shakespeare[0], block_size=32, seed=3)["train"]
     full = _batches(train, 4, steps=6)
-    resumed = _batches(train, 4, steps=3, start_step=3)
+    resumed = _batches(train, 4, steps=3, start_sample=3 * 4)
     assert all(torch.equal(a, b) for a, b in zip(full[3:], resumed, strict=True))
+
+
+def test_a_resume_with_another_batch_or_rank_count_continues_the_same_stream(shakespeare) -> None:
+    """The position is samples consumed: 12 samples read as 3 steps of 4 on one rank continue
+    as steps of 2 x 3 on two ranks, then of 8 on one, reading each sample of the stream once."""
+    train = data.load_splits(shakespeare[0], block_size=32, seed=3)["train"]
+    stream = torch.cat(_batches(train, 4, steps=9))  # 36 samples, one rank
+    two = [_batches(train, 3, steps=2, rank=r, world_size=2, start_sample=12) for r in range(2)]
+    resumed = [torch.cat([two[0][k], two[1][k]]) for k in range(2)]  # samples 12..23
+    resumed += _batches(train, 8, steps=1, start_sample=24)  # samples 24..31
+    assert torch.equal(torch.cat(resumed), stream[12:32])
 
 
 def test_epochs_reshuffle_and_shift_windows() -> None:

@@ -10,9 +10,11 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,7 +29,7 @@ import opt
 from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg
 from model import GPT, GPTConfig
 from opt.ddp import apply_ddp, default_knobs
-from recipe import distributed
+from recipe import checkpoint, distributed
 from recipe.distributed import Distributed
 from train import train, train_step
 
@@ -104,15 +106,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )
         (root / name / "stdout.txt").write_text(stdout)
         out[name] = root / name
-    resumed = root / "fsdp_resumed"
-    for steps, resume in [(2, "false"), (4, "true")]:
-        overrides = (
-            f"train.max_steps={steps}",
-            f"train.resume={resume}",
-            f"hydra.run.dir={resumed}",
-        )
-        _torchrun("train.py", *TINY, *RUN, "train.batch_size=2", "+opt=fsdp", *overrides)
-    out["fsdp_resumed"] = resumed
+    # A sharded checkpoint at step 2, resumed to step 4 on 2 processes (FSDP) and on 1.
+    resumed, on_one = root / "fsdp_resumed", root / "fsdp_resumed_on_one"
+    fsdp = ("train.py", *TINY, *RUN, "train.batch_size=2", "+opt=fsdp")
+    _torchrun(*fsdp, "train.max_steps=2", f"hydra.run.dir={resumed}")
+    shutil.copytree(resumed, on_one)
+    _torchrun(*fsdp, "train.max_steps=4", "train.resume=true", f"hydra.run.dir={resumed}")
+    # One process, twice the batch (the same global batch): no FSDP, DCP reshards on load.
+    resume_here = ("train.resume=true", "train.max_steps=4", "train.batch_size=4", "~opt.fsdp")
+    train(make_cfg(*TINY, *RUN, "+opt=fsdp", *resume_here), on_one, overrides=list(resume_here))
+    out |= {"fsdp_resumed": resumed, "fsdp_resumed_on_one": on_one}
     # Two "machines" of one process each, meeting at a c10d rendezvous on this host.
     agent = distributed.torchrun(
         1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_id=f"test-{os.getpid()}"
@@ -160,17 +163,43 @@ def test_fsdp_matches_ddp(runs) -> None:
 
 
 @pytest.mark.distributed
-def test_fsdp_checkpoint_is_a_full_state_dict(runs) -> None:
-    fsdp = torch.load(runs["fsdp"] / "checkpoint.pt", weights_only=True)
+def test_fsdp_checkpoints_are_sharded_and_consolidate_to_ddps_layout(runs, tmp_path) -> None:
+    """Each rank wrote its own shards (no full state on one rank); the consolidated file has
+    the single-file layout, and a sampling/export model loads from either."""
+    folder = runs["fsdp"] / "checkpoint.dcp"
+    step = folder / (folder / "LATEST").read_text()
+    assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (runs["fsdp"] / "checkpoint.pt").exists()
+    sharded_model, _ = checkpoint.load_model(runs["fsdp"])
+    copy = tmp_path / "run"
+    shutil.copytree(runs["fsdp"], copy)
+    done = subprocess.run(
+        [sys.executable, "scripts/consolidate_checkpoint.py", str(copy)],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    full = torch.load(copy / "checkpoint.pt", weights_only=True)
     ddp = torch.load(runs["ddp"] / "checkpoint.pt", weights_only=True)
-    assert fsdp["model"].keys() == ddp["model"].keys()
+    assert full["model"].keys() == ddp["model"].keys() and full["step"] == 4
+    assert full["optimizer"]["state"].keys() == ddp["optimizer"]["state"].keys()
     for name, tensor in ddp["model"].items():
-        assert fsdp["model"][name].shape == tensor.shape, name
+        assert full["model"][name].shape == tensor.shape, name
+        torch.testing.assert_close(sharded_model.state_dict()[name], full["model"][name])
+    assert len(full["rng"]) == 2 and full["samples"] == 4 * 4
 
 
 @pytest.mark.distributed
 def test_fsdp_resumes_exactly(runs) -> None:
     assert _metrics(runs["fsdp_resumed"]) == _metrics(runs["fsdp"])
+
+
+@pytest.mark.distributed
+def test_a_sharded_checkpoint_resumes_in_one_process(runs) -> None:
+    """Saved by 2 FSDP ranks at step 2, continued by one process with the same global batch:
+    the same data stream (samples consumed) and the same losses as the uninterrupted run."""
+    on_one, uninterrupted = _metrics(runs["fsdp_resumed_on_one"]), _metrics(runs["fsdp"])
+    for key in uninterrupted:
+        torch.testing.assert_close(on_one[key], uninterrupted[key], rtol=RTOL[key], atol=0)
 
 
 @pytest.mark.distributed
