@@ -43,10 +43,13 @@ def test_every_ladder_composes_into_valid_train_configs(name: str) -> None:
 def test_cumulative_ladders_keep_earlier_steps() -> None:
     plans = ablate.step_plans(_ladder("speed"))
     assert plans[0]["stages"] == [] and plans[1]["stages"] == ["bs"]
-    last = plans[-1]
-    assert last["stages"] == ["bs", "workers", "non_blocking", "compile", "amp", "tf32", "fused"]
-    assert last["overrides"][-2:] == ["data.loader=memmap", "opt.compile.mode=default"]
+    memmap, last = (next(p for p in plans if p["name"] == n) for n in ("memmap", "bs64"))
+    assert memmap["stages"] == ["bs", "workers", "non_blocking", "compile", "amp", "tf32", "fused"]
+    assert memmap["overrides"][-2:] == ["data.loader=memmap", "opt.compile.mode=default"]
+    assert last["stages"] == [*memmap["stages"], "custom_op"]
+    assert last["overrides"][-2:] == ["opt.amp.residual=compute", "opt.bs.batch_size=64"]
     assert "opt.amp.dtype=bfloat16" in last["overrides"]
+    assert [p["name"] for p in plans][-2:] == ["ddp", "multi_node"]
     alone = ablate.step_plans(_ladder("stages"))
     assert all(len(p["stages"]) <= 1 for p in alone)
 
