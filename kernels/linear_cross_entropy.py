@@ -170,7 +170,26 @@ def chunked_linear_cross_entropy(
     return losses.sum() / n, grad_hidden, grad_weight
 
 
-# ---- the operator: default (reference) and CUDA implementations, fake, autograd, autocast
+# ---- the operator: its implementation (Triton on CUDA), fake, autograd, autocast
+
+
+def _rows_kernel(device: torch.device, block: int, num_warps: int) -> Callable[..., None]:
+    """The per-row step for `device`: the Triton kernel on CUDA, the PyTorch reference elsewhere
+    (`block` and `num_warps` are the Triton kernel's)."""
+    if device.type == "cuda":
+        from kernels.triton_cross_entropy import cross_entropy_rows_
+
+        def triton_rows(logits, targets, losses, vocab, write_grad, grad8) -> None:
+            cross_entropy_rows_(
+                logits, targets, losses, vocab, block, num_warps, write_grad, grad8, GRAD8_SCALE
+            )
+
+        return triton_rows
+
+    def reference_rows(logits, targets, losses, vocab, write_grad, grad8) -> None:
+        _cross_entropy_rows_torch_(logits, targets, losses, vocab, grad8)
+
+    return reference_rows
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -185,35 +204,7 @@ def _linear_cross_entropy(
     with_grads: bool,
     float8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Any device but CUDA: the PyTorch reference (`block`, `num_warps` are the CUDA kernel's)."""
-
-    def rows(logits, t, losses, vocab, write_grad, grad8):
-        _cross_entropy_rows_torch_(logits, t, losses, vocab, grad8)
-
-    return chunked_linear_cross_entropy(
-        hidden, weight, targets.contiguous(), vocab_size, chunk_size, with_grads, rows, float8
-    )
-
-
-@_linear_cross_entropy.register_kernel("cuda")
-def _linear_cross_entropy_cuda(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    vocab_size: int,
-    chunk_size: int,
-    block: int,
-    num_warps: int,
-    with_grads: bool,
-    float8: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from kernels.triton_cross_entropy import cross_entropy_rows_
-
-    def rows(logits, t, losses, vocab, write_grad, grad8):
-        cross_entropy_rows_(
-            logits, t, losses, vocab, block, num_warps, write_grad, grad8, GRAD8_SCALE
-        )
-
+    rows = _rows_kernel(hidden.device, block, num_warps)
     return chunked_linear_cross_entropy(
         hidden, weight, targets.contiguous(), vocab_size, chunk_size, with_grads, rows, float8
     )

@@ -343,7 +343,7 @@ def test_the_triton_kernel_in_the_interpreter_matches_the_reference() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     errors = json.loads(out.stdout.splitlines()[-1])
-    assert len(errors) == 9  # 6 kernel cases, 3 operator cases
+    assert len(errors) == 11  # 6 kernel cases, 2 float8 gradient cases, 3 operator cases
     for case, (loss_error, grad_error, tolerance) in errors.items():
         assert loss_error < 1e-5 and grad_error < tolerance, (case, loss_error, grad_error)
 
@@ -386,6 +386,19 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _against_the_plain_head_at_gpt2_shapes(**op_knobs):
+    """(fused loss, plain loss, fused grads, plain grads) in bfloat16 on 4096 x 768 x 50304."""
+    tokens, width = 4096, 768
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (0.02 * torch.randn(50304, width, device="cuda")).bfloat16().requires_grad_()
+    targets = torch.randint(0, 50257, (tokens,), device="cuda")
+    plain = _plain_head(hidden, weight, targets, 50257)
+    plain_grads = torch.autograd.grad(plain, (hidden, weight))
+    fused = linear_cross_entropy(hidden, weight, targets, 50257, **op_knobs)
+    return fused, plain, torch.autograd.grad(fused, (hidden, weight)), plain_grads
+
+
 @pytest.mark.parametrize(
     "chunk_size,block,num_warps", [(0, 8192, 16), (1000, 4096, 8), (4096, 65536, 32)]
 )
@@ -393,15 +406,10 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_triton_path_matches_the_plain_head_in_bfloat16_at_gpt2_shapes(
     chunk_size: int, block: int, num_warps: int
 ) -> None:
-    tokens, width, vocab = 4096, 768, 50257
-    torch.manual_seed(0)
-    hidden = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = (0.02 * torch.randn(50304, width, device="cuda")).bfloat16().requires_grad_()
-    targets = torch.randint(0, vocab, (tokens,), device="cuda")
-    plain = _plain_head(hidden, weight, targets, vocab)
-    plain_grads = torch.autograd.grad(plain, (hidden, weight))
-    fused = linear_cross_entropy(hidden, weight, targets, vocab, chunk_size, block, num_warps)
-    fused_grads = torch.autograd.grad(fused, (hidden, weight))
+    fused, plain, fused_grads, plain_grads = _against_the_plain_head_at_gpt2_shapes(
+        chunk_size=chunk_size, block=block, num_warps=num_warps
+    )
+    vocab = 50257
     torch.testing.assert_close(fused, plain, rtol=2e-3, atol=0)
     for name, a, b in zip(("hidden", "weight"), fused_grads, plain_grads, strict=True):
         assert a.dtype == b.dtype == torch.bfloat16
@@ -411,15 +419,9 @@ def test_triton_path_matches_the_plain_head_in_bfloat16_at_gpt2_shapes(
 
 @_on_gpu
 def test_float8_triton_path_at_gpt2_shapes() -> None:
-    tokens, width, vocab = 4096, 768, 50257
-    torch.manual_seed(0)
-    hidden = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = (0.02 * torch.randn(50304, width, device="cuda")).bfloat16().requires_grad_()
-    targets = torch.randint(0, vocab, (tokens,), device="cuda")
-    plain = _plain_head(hidden, weight, targets, vocab)
-    plain_grads = torch.autograd.grad(plain, (hidden, weight))
-    fused = linear_cross_entropy(hidden, weight, targets, vocab, 2048, float8=True)
-    fused_grads = torch.autograd.grad(fused, (hidden, weight))
+    fused, plain, fused_grads, plain_grads = _against_the_plain_head_at_gpt2_shapes(
+        chunk_size=2048, float8=True
+    )
     torch.testing.assert_close(fused, plain, rtol=2e-2, atol=0)
     for name, a, b in zip(("hidden", "weight"), fused_grads, plain_grads, strict=True):
         assert _relative_error(a, b) < 0.1, (name, _relative_error(a, b))
