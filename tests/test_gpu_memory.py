@@ -62,6 +62,23 @@ def test_offload_keeps_the_state_in_host_memory_and_is_exact(tmp_path) -> None:
     torch.testing.assert_close(offloaded["loss"], plain["loss"], rtol=1e-5, atol=0)  # CPU AdamW
 
 
+def test_offload_checkpoints_and_resumes(tmp_path) -> None:
+    """The offloaded (FSDP, one process) model and optimizer state go through checkpoint.save
+    and restore: a resumed run continues the straight one."""
+    from conftest import tiny_run
+
+    args = ("device=cuda", "+opt=[amp,fused,offload]", "opt.amp.dtype=bfloat16",
+            "train.checkpoint_interval=2", "sample.num_samples=0", "wandb.mode=disabled",
+            "train.log_interval=1")  # fmt: skip
+    tiny_run(tmp_path / "straight", "train.max_steps=4", *args)
+    tiny_run(tmp_path / "resumed", "train.max_steps=2", *args)
+    tiny_run(tmp_path / "resumed", "train.max_steps=4", "train.resume=true")
+    torch.testing.assert_close(
+        logged(tmp_path / "resumed", "train/loss"), logged(tmp_path / "straight", "train/loss"),
+        rtol=1e-5, atol=0,
+    )  # fmt: skip
+
+
 def test_lowbit_state_is_smaller_on_the_gpu(tmp_path) -> None:
     plain = _run(tmp_path, "plain", "amp,fused")
     lowbit = _run(tmp_path, "lowbit", "amp,lowbit", "train.max_steps=6")
