@@ -76,6 +76,7 @@ class Plan:
     pure_low_precision: bool = False  # FSDP casts the parameters to amp_dtype: no autocast
     scale_loss: bool = False  # float16: scale the loss so that small gradients survive
     residual_dtype: torch.dtype | None = None  # the residual stream's dtype; None: float32
+    amp_weight_cache: bool = True  # autocast caches its weight casts (opt.amp.weight_cache)
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW  # lowbit: torchao's
     optimizer_kwargs: dict = field(default_factory=dict)
     step_in_backward: bool = False  # opt_in_backward: each parameter steps from its grad hook
@@ -101,7 +102,9 @@ class Plan:
         MixedPrecisionPolicy casts the parameters itself."""
         if self.amp_dtype is None or self.pure_low_precision:
             return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.amp_dtype)
+        return torch.autocast(
+            device.type, dtype=self.amp_dtype, cache_enabled=self.amp_weight_cache
+        )
 
 
 def selected(opt_cfg: DictConfig) -> list[str]:
@@ -186,7 +189,7 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
         p.loader = apply_non_blocking(p.loader, device)
     apply_tf32("tf32" in stages)  # sets (or resets) the global matmul precision
     if "amp" in stages:
-        p.amp_dtype, p.scale_loss, p.residual_dtype = apply_amp(opt.amp, device)
+        p.amp_dtype, p.scale_loss, p.residual_dtype, p.amp_weight_cache = apply_amp(opt.amp, device)
         p.pure_low_precision = "fsdp" in stages and pure_low_precision(opt.fsdp)
     for impl in IMPLEMENTATIONS:
         if impl in stages:

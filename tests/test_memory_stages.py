@@ -179,26 +179,38 @@ def test_step_in_backward_end_to_end_and_resumed(tmp_path, capsys) -> None:
 # ---- opt.ac.mode=op
 
 
-def _saved_bytes(model: GPT, idx: torch.Tensor) -> int:
-    """Bytes the transformer blocks' forward leaves alive for backward: every tensor created
-    during it and not yet freed (the profiler's memory timeline). Activation checkpointing keeps
-    some of them out of autograd's saved tensors (its policy's cache), so counting those would
-    miss what an op-level policy keeps."""
+def _profiled_bytes(run) -> tuple[int, int, object]:
+    """Bytes of the tensors that `run()` creates: those still alive when it returns, and the
+    most alive at once; and what it returned. From the profiler's memory timeline, which sees
+    every allocation: activation checkpointing keeps what its policy saves out of autograd's
+    saved tensors, where saved-tensor hooks would miss it."""
     from torch.profiler._memory_profiler import Action
 
-    x = model.embed(idx).detach().requires_grad_()
     with torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        out = x
-        for block in model.transformer.h:
-            out = block(out)
-    alive: dict = {}
-    for _, action, (key, _), size in prof._memory_profile().timeline:
+        result = run()
+    alive, now, peak = {}, 0, 0
+    for _, action, (key, _), size in sorted(prof._memory_profile().timeline, key=lambda e: e[0]):
         if action == Action.CREATE:
             alive[key] = size
-        elif action == Action.DESTROY:
-            alive.pop(key, None)
+            now += size
+        elif action == Action.DESTROY and key in alive:
+            now -= alive.pop(key)
+        peak = max(peak, now)
+    return sum(alive.values()), peak, result
+
+
+def _blocks(model: GPT, x: torch.Tensor) -> torch.Tensor:
+    for block in model.transformer.h:
+        x = block(x)
+    return x
+
+
+def _saved_bytes(model: GPT, idx: torch.Tensor) -> int:
+    """Bytes the transformer blocks' forward leaves alive for backward (then runs backward)."""
+    x = model.embed(idx).detach().requires_grad_()
+    alive, _, out = _profiled_bytes(lambda: _blocks(model, x))
     out.square().mean().backward()
-    return sum(alive.values()) - out.numel() * out.element_size()  # the output is no activation
+    return alive - out.numel() * out.element_size()  # the output is no activation
 
 
 def _backward_flops(model: GPT, idx: torch.Tensor) -> int:
@@ -249,6 +261,30 @@ def test_op_level_ac_under_compile_matches_eager(tmp_path) -> None:
         rtol=1e-4, atol=0,
     )  # fmt: skip
     torch._dynamo.reset()
+
+
+def test_amp_without_its_weight_cache_frees_the_casts_under_checkpointing() -> None:
+    """With every block checkpointed, autocast's cache alone keeps a bfloat16 copy of every
+    weight to the end of the forward; opt.amp.weight_cache=false frees each after its use, and
+    changes nothing else."""
+    idx, peaks, losses = torch.randint(0, 256, (2, 8)), {}, {}
+    for cache in (True, False):
+        cfg = tiny_cfg("+opt=[amp,ac]", "opt.amp.dtype=bfloat16", f"opt.amp.weight_cache={cache}")
+        plan = opt.plan(cfg, SINGLE)
+        model = _wide()
+        opt.apply_model_stages(model, cfg.opt, plan, SINGLE)
+
+        def forward(model=model, plan=plan, cache=cache):
+            with plan.autocast(CPU):
+                assert torch.is_autocast_cache_enabled() == cache
+                return model(idx, idx)[1]
+
+        _, peaks[cache], losses[cache] = _profiled_bytes(forward)
+    assert torch.equal(losses[True], losses[False])
+    # bfloat16 copies of the blocks' weights: all of them with the cache, one block's without
+    copies = 2 * sum(p.numel() for p in model.transformer.h.parameters() if p.dim() == 2)
+    one_block = copies // len(model.transformer.h)
+    assert peaks[True] - peaks[False] >= copies - one_block, (peaks, copies)
 
 
 # ---- +opt=offload
