@@ -28,7 +28,7 @@ from recipe.guard import NonFiniteGuard
 from recipe.hardware import peak_flops
 from recipe.metrics import MetricLogger, StepTimer, memory_gib, summarize, throughput
 from recipe.profiling import Profiler
-from recipe.schedule import learning_rate
+from recipe.schedule import learning_rate, set_learning_rate
 
 OmegaConf.register_new_resolver("launch", rundir.launch_stamp, replace=True)  # the run folder
 
@@ -54,14 +54,19 @@ def build_model(cfg: DictConfig) -> GPT:
     return model
 
 
-def build_optimizer(model: torch.nn.Module, cfg: DictConfig, impl: dict) -> torch.optim.AdamW:
-    """AdamW with weight decay on the 2-D weights (matmuls, embeddings) only."""
+def build_optimizer(
+    model: torch.nn.Module,
+    cfg: DictConfig,
+    impl: dict,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+) -> torch.optim.Optimizer:
+    """AdamW (or +opt=lowbit's) with weight decay on the 2-D weights (matmuls, embeddings) only."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
+    return optimizer_class(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
 
 
 def train_step(
@@ -77,8 +82,9 @@ def train_step(
     """One optimizer step on this rank's batch: forward and backward per micro-batch (gradients
     add up; across ranks they are reduced after the last one, or after each under FSDP, see
     opt/accum.py), unscale, clip, then the step unless the loss or the gradients are not finite
-    (recipe/guard.py). Returns the sum of the micro-batch losses and the gradient norm, both
-    left on the device (no sync)."""
+    (recipe/guard.py); under +opt=opt_in_backward each parameter stepped in backward instead.
+    Returns the sum of the micro-batch losses and the gradient norm, both left on the device
+    (no sync)."""
     losses = torch.zeros((), device=inputs.device)
     micro_batches = zip(
         inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
@@ -90,6 +96,8 @@ def train_step(
                 _, loss = train_model(x, y)
             scaler.scale(loss / plan.micro_steps).backward()
         losses += loss.detach()
+    if plan.step_in_backward:  # every parameter has stepped already, its gradient freed
+        return losses, guard.steps_in_backward_done(losses)
     scaler.unscale_(optimizer)  # clip the true gradients
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -185,10 +193,12 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         checkpoint.check_shape(resumed, model.config)
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
 
-    # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard
-    optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs)
+    # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard; then
+    # the stages that change when the optimizer steps (opt_in_backward: during backward)
+    optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs, plan.optimizer_class)
     scaler = plan.grad_scaler(dist.device)
     guard = NonFiniteGuard(dist.device, dist, cfg.train.max_bad_steps)
+    opt.apply_optimizer_stages(optimizer, plan, guard)
     if resumed:
         checkpoint.restore(resumed, model, optimizer, scaler, rank=dist.rank)
 
@@ -236,8 +246,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                 step, lr=cfg.train.lr, min_lr=cfg.train.min_lr,
                 warmup_steps=cfg.train.warmup_steps, max_steps=max_steps,
             )  # fmt: skip
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_learning_rate(optimizer, lr)
             inputs, targets = next(batches)
             losses, grad_norm = train_step(
                 train_model, optimizer, scaler, inputs, targets, plan, cfg.train.grad_clip, guard

@@ -5,13 +5,16 @@ order, whatever order they were listed in:
     batch     bs -> accum                    the step's batch, then its micro-batches
     input     workers -> non_blocking        how batches reach the GPU
     numerics  tf32 -> amp                    the precision the step runs in
-    optimizer forloop | foreach | fused      AdamW's implementation
+    optimizer forloop | foreach | fused      AdamW's implementation, or torchao's low-bit AdamW
+              | lowbit
     model     custom_op -> ac -> compile     the fused head + loss replaces a piece of the model
-              -> ddp | fsdp                  before anything wraps it; checkpointing is applied
+              -> ddp | fsdp | offload        before anything wraps it; checkpointing is applied
                                              before compile so that compile traces the
                                              recomputation; compile works on the plain module,
-                                             before the data-parallel wrappers hook into its
-                                             parameters and gradients.
+                                             before the data-parallel wrappers (and offload's
+                                             FSDP) hook into its parameters and gradients.
+    step      opt_in_backward                last, on the built optimizer: it hooks the
+                                             parameters that every model stage has settled.
 
 To add a stage: a yaml file with its knobs nested under its own name, a module with its
 `apply_*` function, its name in ORDER, and its call below.
@@ -36,21 +39,28 @@ from opt.compile import apply_compile
 from opt.custom_op import apply_custom_op
 from opt.ddp import apply_ddp
 from opt.fsdp import apply_fsdp, pure_low_precision
+from opt.lowbit import apply_lowbit
 from opt.non_blocking import apply_non_blocking
+from opt.offload import apply_offload, offloads
+from opt.opt_in_backward import apply_opt_in_backward
 from opt.optimizer_impl import IMPLEMENTATIONS, apply_optimizer_impl
 from opt.tf32 import apply_tf32
 from opt.workers import apply_workers
 from recipe.distributed import Distributed
+from recipe.guard import NonFiniteGuard
 
 ORDER = (
     "bs", "accum",
     "workers", "non_blocking",
     "tf32", "amp",
-    *IMPLEMENTATIONS,
-    "custom_op", "ac", "compile", "ddp", "fsdp",
+    *IMPLEMENTATIONS, "lowbit",
+    "custom_op", "ac", "compile", "ddp", "fsdp", "offload",
+    "opt_in_backward",
 )  # fmt: skip
 
-__all__ = ["ORDER", "Plan", "apply_model_stages", "gradient_sync", "plan"]
+__all__ = [
+    "ORDER", "Plan", "apply_model_stages", "apply_optimizer_stages", "gradient_sync", "plan"
+]  # fmt: skip
 
 
 @dataclass
@@ -66,17 +76,24 @@ class Plan:
     pure_low_precision: bool = False  # FSDP casts the parameters to amp_dtype: no autocast
     scale_loss: bool = False  # float16: scale the loss so that small gradients survive
     residual_dtype: torch.dtype | None = None  # the residual stream's dtype; None: float32
+    amp_weight_cache: bool = True  # autocast caches its weight casts (opt.amp.weight_cache)
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW  # lowbit: torchao's
     optimizer_kwargs: dict = field(default_factory=dict)
+    step_in_backward: bool = False  # opt_in_backward: each parameter steps from its grad hook
 
     @property
     def micro_batch_size(self) -> int:
         return self.batch_size // self.micro_steps
 
+    def sharded(self, device: torch.device) -> bool:
+        """Whether FSDP's `fully_shard` wraps the model: +opt=fsdp, or +opt=offload on a GPU."""
+        return "fsdp" in self.stages or ("offload" in self.stages and offloads(device))
+
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         """The loss scaler: a no-op unless float16. Under FSDP each rank checks only its own
         gradient shards for overflow, so the ranks must agree on skipping a step: the
-        ShardedGradScaler all-reduces that verdict."""
-        if self.scale_loss and "fsdp" in self.stages:
+        ShardedGradScaler all-reduces that verdict (it also unscales offloaded gradients)."""
+        if self.scale_loss and self.sharded(device):
             return ShardedGradScaler(device.type)
         return torch.amp.GradScaler(device.type, enabled=self.scale_loss)
 
@@ -85,7 +102,9 @@ class Plan:
         MixedPrecisionPolicy casts the parameters itself."""
         if self.amp_dtype is None or self.pure_low_precision:
             return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.amp_dtype)
+        return torch.autocast(
+            device.type, dtype=self.amp_dtype, cache_enabled=self.amp_weight_cache
+        )
 
 
 def selected(opt_cfg: DictConfig) -> list[str]:
@@ -99,6 +118,33 @@ def selected(opt_cfg: DictConfig) -> list[str]:
     return [name for name in ORDER if name in opt_cfg]
 
 
+# Pairs of stages that cannot run together, and why (opt.check names both).
+CONFLICTS = {
+    ("ddp", "fsdp"): "two ways to spread training",
+    ("lowbit", "forloop"): "torchao's low-bit AdamW is its own implementation",
+    ("lowbit", "foreach"): "torchao's low-bit AdamW is its own implementation",
+    ("lowbit", "fused"): "torchao's low-bit AdamW is its own implementation",
+    ("lowbit", "offload"): "two ways to shrink the optimizer state on the GPU",
+    ("offload", "fsdp"): "offload is FSDP's CPU offload for one process (for several: "
+    "+opt=fsdp with opt.fsdp.cpu_offload=true)",
+    ("offload", "ddp"): "offload runs in one process, ddp over several",
+    ("opt_in_backward", "accum"): "a step per micro-batch would not be the step of their summed "
+    "gradients",
+    ("opt_in_backward", "ddp"): "each parameter would step before its gradient is reduced over "
+    "the processes",
+    ("opt_in_backward", "fsdp"): "each parameter would step before its gradient is reduced over "
+    "the processes",
+    ("opt_in_backward", "offload"): "offload steps AdamW on the CPU after backward, "
+    "opt_in_backward on the GPU during it",
+}
+# Stages for one process: a multi-process run wraps the model in DDP, whose gradient reduction
+# runs after the hooks that step (opt_in_backward), or shards it (offload's one-process FSDP).
+SINGLE_PROCESS = {
+    "opt_in_backward": "each parameter would step before DDP reduces its gradient",
+    "offload": "for several processes use +opt=fsdp with opt.fsdp.cpu_offload=true",
+}
+
+
 def check(stages: list[str], dist: Distributed) -> None:
     """Refuses conflicting stages before any work starts, naming both sides."""
     impls = [s for s in stages if s in IMPLEMENTATIONS]
@@ -106,8 +152,14 @@ def check(stages: list[str], dist: Distributed) -> None:
         raise ValueError(
             f"+opt={impls[0]} and +opt={impls[1]} both choose AdamW's implementation: pick one"
         )
-    if "ddp" in stages and "fsdp" in stages:
-        raise ValueError("+opt=ddp and +opt=fsdp are two ways to spread training: pick one")
+    for (a, b), why in CONFLICTS.items():
+        if a in stages and b in stages:
+            raise ValueError(f"+opt={a} and +opt={b}: {why}; pick one")
+    for stage, why in SINGLE_PROCESS.items():
+        if stage in stages and dist.enabled:
+            raise ValueError(
+                f"+opt={stage} runs in one process, this run has {dist.world_size}: {why}"
+            )
     if "fsdp" in stages and not dist.enabled:
         raise ValueError(
             "+opt=fsdp shards the model over processes, but this is a single process: launch "
@@ -137,12 +189,34 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
         p.loader = apply_non_blocking(p.loader, device)
     apply_tf32("tf32" in stages)  # sets (or resets) the global matmul precision
     if "amp" in stages:
-        p.amp_dtype, p.scale_loss, p.residual_dtype = apply_amp(opt.amp, device)
+        p.amp_dtype, p.scale_loss, p.residual_dtype, p.amp_weight_cache = apply_amp(opt.amp, device)
         p.pure_low_precision = "fsdp" in stages and pure_low_precision(opt.fsdp)
     for impl in IMPLEMENTATIONS:
         if impl in stages:
             p.optimizer_kwargs = apply_optimizer_impl(impl, device)
+    if "lowbit" in stages:
+        p.optimizer_class = apply_lowbit(opt.lowbit)
+    if "opt_in_backward" in stages:
+        check_step_in_backward(cfg.train.grad_clip, p.scale_loss)
+        p.step_in_backward = True
     return p
+
+
+def check_step_in_backward(grad_clip: float, scale_loss: bool) -> None:
+    """What +opt=opt_in_backward cannot do besides the stages that check() refuses: anything
+    that needs every gradient before the first update."""
+    if grad_clip != float("inf"):
+        raise ValueError(
+            f"+opt=opt_in_backward with train.grad_clip={grad_clip}: clipping by the global "
+            "gradient norm needs every gradient before the first update, but each parameter "
+            "steps as soon as its own is ready: set train.grad_clip=inf (no clipping)"
+        )
+    if scale_loss:
+        raise ValueError(
+            "+opt=opt_in_backward and +opt=amp with opt.amp.dtype=float16: the GradScaler "
+            "unscales and checks every gradient before it steps or skips them all, but each "
+            "parameter steps as soon as its own is ready: use opt.amp.dtype=bfloat16 (no scaler)"
+        )
 
 
 def apply_model_stages(
@@ -158,9 +232,19 @@ def apply_model_stages(
     if "ac" in p.stages:
         apply_ac(model, opt.ac)
     if "compile" in p.stages:
-        apply_compile(model, opt.compile, sharded="fsdp" in p.stages)
+        apply_compile(model, opt.compile, sharded=p.sharded(dist.device))
     if "fsdp" in p.stages:
         return apply_fsdp(model, opt.fsdp, dist, p.amp_dtype)
+    if "offload" in p.stages:
+        return apply_offload(model, opt.offload, dist, p.amp_dtype)
     if dist.enabled:
         return apply_ddp(model, opt.get("ddp"), dist)
     return model
+
+
+def apply_optimizer_stages(
+    optimizer: torch.optim.Optimizer, p: Plan, guard: NonFiniteGuard
+) -> None:
+    """Applies the stages that change when the built optimizer steps: +opt=opt_in_backward."""
+    if p.step_in_backward:
+        apply_opt_in_backward(optimizer, guard)

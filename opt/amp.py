@@ -18,13 +18,21 @@ RESIDUALS = ("float32", "compute")
 
 def apply_amp(
     cfg: DictConfig, device: torch.device
-) -> tuple[torch.dtype, bool, torch.dtype | None]:
-    """Returns the compute dtype, whether the loss must be scaled, and the residual stream's
-    dtype (None: float32, as the weights; `residual=compute`: the compute dtype, which halves the
+) -> tuple[torch.dtype, bool, torch.dtype | None, bool]:
+    """Returns the compute dtype, whether the loss must be scaled, the residual stream's dtype
+    (None: float32, as the weights; `residual=compute`: the compute dtype, which halves the
     bytes that LayerNorms, residual adds and their gradients move, at the cost of rounding the
-    running sum of the blocks' outputs)."""
+    running sum of the blocks' outputs), and whether autocast caches its weight casts.
+
+    The cache keeps each weight's low-precision copy until the autocast region ends, so a weight
+    used twice is cast once. Every weight here is used once per forward, and without activation
+    checkpointing the matmuls save those copies for backward anyway; with checkpointing they
+    save nothing, and the cache alone keeps a copy of every weight (2 bytes per parameter in
+    bfloat16) alive to the end of the forward: `weight_cache=false` frees each after its use."""
     if cfg.residual not in RESIDUALS:
         raise ValueError(f"opt.amp.residual={cfg.residual!r}: choose one of {', '.join(RESIDUALS)}")
+    if not isinstance(cfg.weight_cache, bool):
+        raise ValueError(f"opt.amp.weight_cache={cfg.weight_cache!r}: choose true or false")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"opt.amp.dtype={cfg.dtype!r}: choose float16 or bfloat16")
     dtype = DTYPES[cfg.dtype]
@@ -40,5 +48,6 @@ def apply_amp(
     log(
         f"[opt] amp: {cfg.dtype} mixed precision{', with a GradScaler' if scaled else ''}"
         f"{f', residual stream in {cfg.dtype}' if residual else ''}"
+        f"{'' if cfg.weight_cache else ', no weight cache'}"
     )
-    return dtype, scaled, residual
+    return dtype, scaled, residual, cfg.weight_cache

@@ -46,8 +46,8 @@ def apply_fsdp(
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=amp_dtype, reduce_dtype=torch.float32
         )
-    if cfg.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if cfg.cpu_offload:  # pinned host memory speeds up copies to a GPU (pinning needs one)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda")
     for block in model.transformer.h:
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     # The root's parameters (embeddings, final norm) are needed again at once by the tied head.

@@ -7,6 +7,11 @@ reads `found_inf` itself (as it does for the GradScaler), and float16's GradScal
 steps whose gradients overflowed. The for-loop and foreach implementations cannot, so for them
 the guard reads the flag on the host once a step (one sync; use +opt=fused to avoid it).
 Across ranks the flag is reduced, so every rank skips the same steps.
+
+Under +opt=opt_in_backward each parameter steps from its gradient hook, during backward
+(`step_parameter`): a parameter whose gradient is not finite skips its own update, and the step
+counts as bad if any did or if the loss is not finite (`steps_in_backward_done`). The parameters
+updated before a bad gradient turned up keep their updates: such a step can be partly applied.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ class NonFiniteGuard:
         self.dist, self.max_bad_steps = dist, max_bad_steps
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # since the start
         self.in_a_row = torch.zeros((), dtype=torch.int64, device=device)
+        # +opt=opt_in_backward: this step's sum of squared gradient norms and any bad gradient,
+        # gathered parameter by parameter while backward runs.
+        self.grad_sq_sum = torch.zeros((), device=device)
+        self.bad_grad = torch.zeros((), dtype=torch.bool, device=device)
+        self.stepped_in_backward = False  # set by the first step_parameter: for the error message
 
     def step(
         self,
@@ -52,12 +62,31 @@ class NonFiniteGuard:
                 torch.maximum(found_inf, bad.to(found_inf), out=found_inf)
             scaler.step(optimizer)
             scaler.update()
-        elif optimizer.defaults.get("fused"):
-            optimizer.found_inf = bad.float()  # fused AdamW skips on this flag, on the device
-            optimizer.step()
-            del optimizer.found_inf
-        elif not bad.item():  # the for-loop/foreach kernels have no such flag: one sync
-            optimizer.step()
+        else:
+            _step_unless(optimizer, bad)
+        self._count(bad)
+
+    def step_parameter(self, optimizer: torch.optim.Optimizer, grad: torch.Tensor) -> None:
+        """+opt=opt_in_backward, from a gradient hook: `optimizer` (restricted to the one
+        parameter whose gradient `grad` is) steps unless `grad` is not finite. Its norm is kept
+        for the step's gradient norm; its verdict for the step's."""
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        bad = ~torch.isfinite(norm)
+        self.grad_sq_sum += norm.square()
+        self.bad_grad |= bad
+        self.stepped_in_backward = True
+        _step_unless(optimizer, bad)
+
+    def steps_in_backward_done(self, loss: torch.Tensor) -> torch.Tensor:
+        """+opt=opt_in_backward, after backward: counts the step as bad if a parameter skipped
+        its update or `loss` is not finite; returns the gradient norm (on the device)."""
+        self._count(self.bad_grad | ~torch.isfinite(loss))
+        grad_norm = self.grad_sq_sum.sqrt()
+        self.grad_sq_sum.zero_()
+        self.bad_grad.zero_()
+        return grad_norm
+
+    def _count(self, bad: torch.Tensor) -> None:
         self.skipped += bad
         self.in_a_row = (self.in_a_row + 1) * bad
 
@@ -66,10 +95,31 @@ class NonFiniteGuard:
         skipped, in_a_row = int(self.skipped), int(self.in_a_row)
         if in_a_row >= self.max_bad_steps:
             scaled = f" (float16 loss scale now {scale:g})" if scale else ""
+            weights, clip = (
+                ("Parameters whose gradients stayed finite were updated all the same "
+                 "(+opt=opt_in_backward steps each in backward).", "dropping +opt=opt_in_backward "
+                 "to clip gradients (train.grad_clip)")
+                if self.stepped_in_backward
+                else ("The weights are those of the last good step.", "a lower train.grad_clip")
+            )  # fmt: skip
             raise NonFiniteSteps(
                 f"step {step}: the last {in_a_row} steps had a non-finite loss or gradient and "
-                f"were skipped{scaled}; train.max_bad_steps={self.max_bad_steps}. The weights are "
-                "those of the last good step. Try a lower train.lr, +opt=amp with "
-                "opt.amp.dtype=bfloat16 instead of float16, or a lower train.grad_clip."
+                f"were skipped{scaled}; train.max_bad_steps={self.max_bad_steps}. {weights} Try a "
+                "lower train.lr, +opt=amp with opt.amp.dtype=bfloat16 instead of float16, or "
+                f"{clip}."
             )
         return {"train/skipped_steps": skipped}
+
+
+def _step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+    """`optimizer.step()` unless the device flag `bad` is set."""
+    if optimizer.defaults.get("fused"):
+        # Fused AdamW skips on this flag, on the device. Parameters offloaded to the host (FSDP's
+        # CPU offload) need it in host memory first: fused AdamW would copy it asynchronously,
+        # and a CPU kernel could read it before the copy lands; this copy waits.
+        params_device = optimizer.param_groups[0]["params"][0].device
+        optimizer.found_inf = bad.to(params_device).float()
+        optimizer.step()
+        del optimizer.found_inf
+    elif not bad.item():  # the for-loop/foreach kernels have no such flag: one sync
+        optimizer.step()

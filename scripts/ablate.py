@@ -7,7 +7,8 @@
 
 A ladder (`conf/ladder/<name>.yaml`) is a workload (overrides and stages every step runs with)
 and a list of steps; each step adds stages (`+opt=...`) and overrides to the ones before it (or,
-with `cumulative: false`, to the workload alone). Every step runs `train.py` in its own process,
+with `cumulative: false`, to the workload alone), and may `drop` stages that earlier steps added
+(a stage that cannot combine with a later one). Every step runs `train.py` in its own process,
 so allocator and compiler state start clean; a step that runs out of memory, fails or times out
 is recorded as such (a timed-out step is killed with all its processes) and the ladder goes on.
 
@@ -17,7 +18,9 @@ A step may run on several GPUs: `nproc: N` processes under torchrun, and with `n
 per-GPU `efficiency`: tokens/s / (gpus x tokens/s of the nearest 1-GPU row above it).
 
 Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, with the command, the git commit, the
-GPU, the driver and the library versions; rerunning some steps updates their rows.
+GPU, the driver and the library versions; rerunning some steps updates their rows. The table
+compares each row with step 0, or with the row named by the ladder's `reference` (the memory_xl
+ladder's target is relative to its `ac` row), in memory and in tokens/s.
 """
 
 from __future__ import annotations
@@ -66,13 +69,14 @@ NUMBERS = (
 
 def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
     """What each step runs: its stages and overrides (after the workload's), accumulated when the
-    ladder is cumulative, and its processes."""
+    ladder is cumulative, less the stages it drops, and its processes."""
     base = list(ladder.get("opt", []))
     plans, stages, overrides = [], base, []
     for index, step in enumerate(ladder.steps):
         if not ladder.cumulative:
             stages, overrides = base, []
         stages = stages + [s for s in step.get("opt", []) if s not in stages]
+        stages = [s for s in stages if s not in step.get("drop", [])]
         overrides = overrides + list(step.get("overrides", []))
         nproc, nnodes = step.get("nproc", 1), step.get("nnodes", 1)
         plans.append(
@@ -314,9 +318,15 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
     key = "tokens_per_sec" if ladder.focus == "speed" else "peak_allocated_gib"
     gain = "speed-up" if ladder.focus == "speed" else "peak memory"
     scaling = any(row.get("gpus", 1) > 1 for row in rows)  # then: GPUs and per-GPU efficiency
+    # Compared with step 0, or with the row the ladder names as its reference, then also in
+    # tokens/s when memory is the focus (a memory stage's price is speed).
+    reference = ladder.get("reference")
+    versus = f"`{reference}`" if reference else "baseline"
+    speed_too = bool(reference) and key != "tokens_per_sec"
     columns = [
         "#", "step", "what changes", *(["GPUs"] if scaling else []), "tokens/s (p10–p90)",
-        *(["per-GPU efficiency"] if scaling else []), f"{gain} vs prev", f"{gain} vs baseline",
+        *(["per-GPU efficiency"] if scaling else []), f"{gain} vs prev", f"{gain} vs {versus}",
+        *([f"tokens/s vs {versus}"] if speed_too else []),
         "MFU", "step ms", "peak alloc GiB", "peak reserved GiB", "loss", "status",
     ]  # fmt: skip
     header = "| " + " | ".join(columns) + " |"
@@ -327,7 +337,10 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
         "|" + "---|" * len(columns),
     ]
     ok = [r for r in rows if r["status"] == "ok"]
-    baseline = ok[0] if ok and ok[0]["index"] == 0 else None
+    if reference:
+        baseline = next((r for r in ok if r["name"] == reference), None)
+    else:
+        baseline = ok[0] if ok and ok[0]["index"] == 0 else None
     previous = None
     for row in rows:
         spread = ""
@@ -343,6 +356,7 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
             *([_fmt(row.get("efficiency"), ".3f")] if scaling else []),
             _ratio(row, previous, key) if ladder.cumulative else "–",
             _ratio(row, baseline, key),
+            *([_ratio(row, baseline, "tokens_per_sec")] if speed_too else []),
             mfu,
             _fmt(row.get("step_ms"), ".1f"),
             _fmt(row.get("peak_allocated_gib"), ".2f"),
@@ -353,8 +367,11 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
         if row["status"] == "ok":
             previous = row
+    versus_row = f"the `{reference}` row" if reference else "step 0"
     compared = (
-        "the last step that ran (`vs prev`) and with step 0" if ladder.cumulative else "step 0"
+        f"the last step that ran (`vs prev`) and with {versus_row}"
+        if ladder.cumulative
+        else versus_row
     )
     lines += ["", f"Gains compare with {compared}."]
     if scaling:

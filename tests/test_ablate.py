@@ -105,6 +105,58 @@ def test_multi_process_steps_and_base_stages() -> None:
     assert [(p["name"], p["gpus"]) for p in speed[-2:]] == [("ddp", 2), ("multi_node", 2)]
 
 
+def test_memory_xl_rows_drop_what_cannot_combine_and_keep_16k_tokens() -> None:
+    """Every row of the memory_xl ladder is a valid combination of stages (opt.check refuses the
+    others), the reference row is the issue's [amp,fused,ac], and the 16 x 1024 workload holds
+    except in the largest-micro-batch rows."""
+    import torch
+
+    import opt
+    from conftest import make_cfg
+    from recipe.distributed import Distributed
+
+    ladder = _ladder("memory_xl")
+    plans = {p["name"]: p for p in ablate.step_plans(ladder)}
+    assert ladder.reference == "ac" and plans["ac"]["stages"] == ["amp", "fused", "ac"]
+    assert "opt_in_backward" not in plans["offload"]["stages"]
+    assert {"offload", "fused"}.isdisjoint(plans["lowbit"]["stages"])
+    assert "opt_in_backward" in plans["lowbit"]["stages"]
+    one_process = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    for name, plan in plans.items():
+        stages = [f"+opt=[{','.join(plan['stages'])}]"] if plan["stages"] else []
+        cfg = make_cfg(*ladder.workload, *stages, *plan["overrides"])
+        assert opt.plan(cfg, one_process).stages == [s for s in opt.ORDER if s in plan["stages"]]
+        tokens = cfg.train.batch_size * cfg.model.block_size
+        assert (tokens == 16 * 1024) != name.startswith("bs"), name
+
+
+def test_a_reference_row_is_compared_in_memory_and_speed() -> None:
+    ladder = OmegaConf.create(
+        {"name": "x", "focus": "memory", "cumulative": True, "reference": "ac"}
+    )
+    rows = [
+        {"index": 0, "name": "fp32", "what": "", "status": "oom"},
+        {"index": 1, "name": "ac", "what": "", "status": "ok", "tokens_per_sec": 1000.0,
+         "peak_allocated_gib": 30.0},
+        {"index": 2, "name": "small", "what": "", "status": "ok", "tokens_per_sec": 800.0,
+         "peak_allocated_gib": 15.0},
+    ]  # fmt: skip
+    table = ablate.markdown(ladder, [{**row, "command": ""} for row in rows], {"device": "GPU"})
+    assert "| peak memory vs `ac` | tokens/s vs `ac` |" in table
+    assert "| -50% | -50% | 0.80x |" in table  # vs prev, vs ac (memory), vs ac (tokens/s)
+
+
+def test_a_step_may_drop_earlier_stages() -> None:
+    ladder = OmegaConf.create({"cumulative": True, "steps": [
+        {"name": "a", "opt": ["amp", "fused"]},
+        {"name": "b", "opt": ["lowbit"], "drop": ["fused"]},
+        {"name": "c", "opt": ["ac"]},
+    ]})  # fmt: skip
+    assert [p["stages"] for p in ablate.step_plans(ladder)] == [
+        ["amp", "fused"], ["amp", "lowbit"], ["amp", "lowbit", "ac"]
+    ]  # fmt: skip
+
+
 def test_two_machines_are_two_agents_with_their_gpus(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(ablate, "visible_gpus", lambda: ["4", "5", "6", "7"])
     plan = {**ablate.step_plans(_ladder("scaling"))[2], "nproc": 2, "gpus": 4}

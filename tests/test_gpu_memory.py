@@ -1,0 +1,97 @@
+"""The memory stages on a GPU, where their savings show in CUDA's allocator: the step in
+backward, op-level checkpointing, CPU offload, low-bit state, and all of them at once (the
+memory_xl ladder's row on GPT-2 124M). Skipped without CUDA; on a GPU machine:
+
+    pytest -q -m gpu tests/test_gpu_memory.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import logged, make_cfg
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+GPT2_ARGS = (
+    "device=cuda", "model=gpt2", "data=synthetic", "train.batch_size=8", "train.max_steps=4",
+    "train.eval_sequences=8", "train.log_interval=1", "train.checkpoint_interval=0",
+    "sample.num_samples=0", "wandb.mode=disabled", "perf.warmup_steps=1", "train.grad_clip=inf",
+    "opt.amp.dtype=bfloat16",
+)  # fmt: skip
+
+
+def _run(tmp_path, name: str, stages: str, *overrides: str) -> dict:
+    from train import train
+
+    torch.cuda.reset_peak_memory_stats()
+    summary = train(make_cfg(*GPT2_ARGS, f"+opt=[{stages}]", *overrides), tmp_path / name)
+    return {
+        "peak": summary["mem/peak_allocated_gib"],
+        "loss": logged(tmp_path / name, "train/loss"),
+    }
+
+
+def test_step_in_backward_frees_the_gradients_and_is_exact(tmp_path) -> None:
+    plain = _run(tmp_path, "plain", "amp,fused")
+    in_backward = _run(tmp_path, "in_backward", "amp,fused,opt_in_backward")
+    # The same fused kernel, one parameter at a time; only the embedding's backward (atomic adds
+    # on a GPU) differs from run to run.
+    torch.testing.assert_close(in_backward["loss"], plain["loss"], rtol=1e-5, atol=0)
+    gradients_gib = 124e6 * 4 / 2**30
+    assert in_backward["peak"] < plain["peak"] - 0.6 * gradients_gib, (plain, in_backward)
+
+
+def test_op_level_checkpointing_sits_between_none_and_full(tmp_path) -> None:
+    peaks = {"none": _run(tmp_path, "none", "amp,fused")["peak"]}
+    for mode in ("full", "op"):
+        peaks[mode] = _run(tmp_path, mode, "amp,fused,ac", f"opt.ac.mode={mode}")["peak"]
+    assert peaks["full"] < peaks["op"] < peaks["none"], peaks
+    compiled = _run(tmp_path, "op_compiled", "amp,fused,ac,compile", "opt.ac.mode=op")
+    assert compiled["peak"] < peaks["none"], (compiled, peaks)
+
+
+def test_offload_keeps_the_state_in_host_memory_and_is_exact(tmp_path) -> None:
+    plain = _run(tmp_path, "plain", "amp,fused")
+    offloaded = _run(tmp_path, "offload", "amp,fused,offload")
+    state_gib = 124e6 * 16 / 2**30  # weights, gradients, two moments
+    assert offloaded["peak"] < plain["peak"] - 0.7 * state_gib, (plain, offloaded)
+    torch.testing.assert_close(offloaded["loss"], plain["loss"], rtol=1e-5, atol=0)  # CPU AdamW
+
+
+def test_offload_checkpoints_and_resumes(tmp_path) -> None:
+    """The offloaded (FSDP, one process) model and optimizer state go through checkpoint.save
+    and restore: a resumed run continues the straight one."""
+    from conftest import tiny_run
+
+    args = ("device=cuda", "+opt=[amp,fused,offload]", "opt.amp.dtype=bfloat16",
+            "train.checkpoint_interval=2", "sample.num_samples=0", "wandb.mode=disabled",
+            "train.log_interval=1")  # fmt: skip
+    tiny_run(tmp_path / "straight", "train.max_steps=4", *args)
+    tiny_run(tmp_path / "resumed", "train.max_steps=2", *args)
+    tiny_run(tmp_path / "resumed", "train.max_steps=4", "train.resume=true")
+    torch.testing.assert_close(
+        logged(tmp_path / "resumed", "train/loss"), logged(tmp_path / "straight", "train/loss"),
+        rtol=1e-5, atol=0,
+    )  # fmt: skip
+
+
+def test_lowbit_state_is_smaller_on_the_gpu(tmp_path) -> None:
+    plain = _run(tmp_path, "plain", "amp,fused")
+    lowbit = _run(tmp_path, "lowbit", "amp,lowbit", "train.max_steps=6")
+    saved_gib = 124e6 * 6 / 2**30  # 8 bytes of moments -> about 2
+    assert lowbit["peak"] < plain["peak"] - 0.7 * saved_gib, (plain, lowbit)
+    assert all(torch.isfinite(torch.tensor(lowbit["loss"])))
+
+
+def test_every_memory_stage_at_once(tmp_path) -> None:
+    """The memory_xl ladder's lowbit row, on GPT-2 124M: everything composes on a GPU."""
+    stages = "amp,custom_op,ac,lowbit,opt_in_backward"
+    together = _run(
+        tmp_path, "together", stages, "opt.custom_op.chunk_size=4096", "opt.amp.weight_cache=false"
+    )
+    plain = _run(tmp_path, "plain", "amp,fused")
+    assert together["peak"] < 0.5 * plain["peak"], (plain, together)
