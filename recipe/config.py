@@ -118,12 +118,17 @@ CHOICES: dict[str, tuple] = {
 }
 
 
-def validate(cfg: DictConfig) -> None:
-    """Refuses the first bad setting, naming the key, what it must be and what it is."""
-    for key, rule in NUMBERS.items():
+def check_numbers(cfg: DictConfig, rules: dict[str, Number]) -> None:
+    """Refuses the first setting outside its rule, naming the key, the rule and the value."""
+    for key, rule in rules.items():
         value = OmegaConf.select(cfg, key)
         if not rule.accepts(value):
             raise ValueError(f"{key} must be {rule.describe()}, got {value!r}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Refuses the first bad setting, naming the key, what it must be and what it is."""
+    check_numbers(cfg, NUMBERS)
     for key, options in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in options or type(value) is not type(options[0]):

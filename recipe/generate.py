@@ -55,9 +55,12 @@ def show(prompt: str, texts: list[str], prefix: str = "") -> str:
     return "".join(f"{prefix}{prompt}{text}\n{SEPARATOR}\n" for text in texts)
 
 
-def write_samples(path: Path, prompt: str, texts: list[str], heading: str) -> None:
-    """Prints the samples (each after `[sample]`) and appends them to `path` under a
+def write_samples(
+    path: Path | None, prompt: str, texts: list[str], heading: str, prefix: str = "[sample] "
+) -> None:
+    """Prints the samples (each after `prefix`) and appends them to `path`, if any, under a
     `# <heading>` line."""
-    log(show(prompt, texts, "[sample] ").rstrip("\n"))
-    with open(path, "a") as f:
-        f.write(f"# {heading}\n{show(prompt, texts)}")
+    log(show(prompt, texts, prefix).rstrip("\n"))
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(f"# {heading}\n{show(prompt, texts)}")
