@@ -220,3 +220,21 @@ def test_export_refuses_a_folder_with_other_files_and_a_foreign_vocabulary(run, 
              "train.max_steps=1", "sample.num_samples=0", *QUIET)  # fmt: skip
     with pytest.raises(SystemExit, match=r"predicts 64 tokens, not GPT-2's 50257"):
         export_app.main.__wrapped__(tool_cfg("export_hf", f"run={small}", f"out={tmp_path}/x"))
+
+
+# ---- on a GPU (skipped here; run with `pytest -m gpu tests/test_after_training.py`)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stages", ["+opt=[amp,compile]", "+opt=[amp,custom_op]"])
+def test_gpu_evaluate_and_sample_a_run_trained_on_the_gpu(tmp_path, stages) -> None:
+    tiny_run(tmp_path, "device=cuda", stages, "opt.amp.dtype=bfloat16", "train.max_steps=3",
+             "sample.num_samples=2", "sample.max_new_tokens=6", *QUIET)  # fmt: skip
+    result = evaluate_app.evaluate_model(tool_cfg("evaluate", f"run={tmp_path}", "device=cuda"))
+    assert result["val/loss"] == logged(tmp_path, "val/loss")[-1]
+    settings = (f"run={tmp_path}", "num_samples=2", "max_new_tokens=6", "device=cuda")
+    eager = sample_app.sample(tool_cfg("sample", *settings))  # dtype auto: bfloat16, as trained
+    assert (tmp_path / "samples.txt").read_text() == "# step 3\n" + generate.show("\n", eager)
+    compiled = sample_app.sample(tool_cfg("sample", *settings, "compile=true"))
+    assert len(compiled) == 2 and all(compiled)
