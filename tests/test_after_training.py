@@ -10,8 +10,10 @@ import subprocess
 
 import pytest
 import torch
+import torch._dynamo
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from torch._dynamo.utils import counters
 
 import sample as sample_app
 from conftest import CONF, ROOT, logged, python, tiny_cfg, tiny_run
@@ -98,6 +100,17 @@ def test_sample_from_a_hugging_face_folder_matches_transformers_greedy(hf_dir) -
     ids = torch.tensor([encoding.encode("Hello world")])
     greedy = hf.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=50256)
     assert text == encoding.decode(greedy[0, ids.shape[1] :].tolist())
+
+
+@pytest.mark.slow
+def test_sample_compiled_gives_the_eager_text(hf_dir) -> None:
+    folder, _ = hf_dir
+    settings = (f"model.pretrained={folder}", "prompt=Hello", "top_k=1", "max_new_tokens=6")
+    eager = sample_app.sample(tool_cfg("sample", *settings))
+    torch._dynamo.reset()
+    counters.clear()
+    assert sample_app.sample(tool_cfg("sample", *settings, "compile=true")) == eager
+    assert counters["stats"]["unique_graphs"] >= 1  # it did run compiled
 
 
 @pytest.mark.parametrize(
