@@ -89,6 +89,8 @@ def test_sample_prompt_from_a_file_and_bfloat16(run, tmp_path) -> None:
                    "max_new_tokens=5", "dtype=bfloat16")  # fmt: skip
     (text,) = sample_app.sample(cfg)
     assert len(gpt2_encoding().encode(text, allowed_special="all")) >= 1
+    empty = tool_cfg("sample", f"run={run}", "prompt=''", "num_samples=1", "max_new_tokens=3")
+    assert sample_app.sample(empty)[0]  # a new document: after <|endoftext|>
 
 
 def test_sample_from_a_hugging_face_folder_matches_transformers_greedy(hf_dir) -> None:
