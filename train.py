@@ -16,21 +16,20 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 
 import data
 import opt
-from data.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, launch, rundir
+from recipe import checkpoint, config, distributed, generate, launch, rundir
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import peak_flops
 from recipe.metrics import MetricLogger, StepTimer, memory_gib, summarize, throughput
 from recipe.profiling import Profiler
 from recipe.schedule import learning_rate, set_learning_rate
 
-OmegaConf.register_new_resolver("launch", rundir.launch_stamp, replace=True)  # the run folder
+config.register_resolvers()  # ${launch:} names the run folder; --help shows conf/ with comments
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -129,16 +128,25 @@ def evaluate(
     return dist.mean(total / count).item()  # every rank holds the same number of sequences
 
 
-def sample(model: GPT, cfg: DictConfig, plan: opt.Plan, device: torch.device) -> list[str]:
-    """A few continuations of `sample.prompt` (every rank samples: FSDP needs them all)."""
-    encoding = gpt2_encoding()
-    prompt = encoding.encode(cfg.prompt, allowed_special="all")
-    idx = torch.tensor([prompt] * cfg.num_samples, device=device)
-    generator = torch.Generator(device).manual_seed(0)
-    model.eval()
-    with torch.compiler.set_stance("force_eager"), plan.autocast(device):
-        out = model.generate(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, generator)
-    return [encoding.decode(row[len(prompt) :].tolist()) for row in out]
+def build_loaders(
+    cfg: DictConfig, plan: opt.Plan, dist: distributed.Distributed, start_sample: int = 0
+) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
+    """This rank's training batches from the data stream's `start_sample` on, and its share of
+    the fixed validation set (scripts/evaluate.py builds the same one)."""
+    splits = data.load_splits(
+        cfg.data, block_size=cfg.model.block_size, seed=cfg.train.seed,
+        vocab_size=cfg.model.vocab_size,
+    )  # fmt: skip
+    loader_args = dict(
+        rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed, options=plan.loader
+    )
+    train_loader = data.build_loader(
+        splits["train"], plan.batch_size, start_sample=start_sample, **loader_args
+    )
+    val_loader = data.build_eval_loader(
+        splits["val"], cfg.train.eval_sequences, plan.micro_batch_size, **loader_args
+    )
+    return train_loader, val_loader
 
 
 def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> dict[str, Any]:
@@ -171,19 +179,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     if dist.is_local_main:
         data.prepare(cfg.data)
     dist.host_barrier()
-    splits = data.load_splits(
-        cfg.data, block_size=cfg.model.block_size, seed=cfg.train.seed,
-        vocab_size=cfg.model.vocab_size,
-    )  # fmt: skip
-    loader_args = dict(
-        rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed, options=plan.loader
-    )
-    train_loader = data.build_loader(
-        splits["train"], plan.batch_size, start_sample=start_sample, **loader_args
-    )
-    val_loader = data.build_eval_loader(
-        splits["val"], cfg.train.eval_sequences, plan.micro_batch_size, **loader_args
-    )
+    train_loader, val_loader = build_loaders(cfg, plan, dist, start_sample)
     batches = data.DeviceBatches(train_loader, dist.device, plan.loader.non_blocking)
 
     # ---- model, then the model stages in their fixed order (AC -> compile -> DDP/FSDP)
@@ -295,23 +291,19 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     summary: dict[str, Any] = {"step": step, "stages": plan.stages, "completed": step == max_steps}
     if step_ms_measured:
         summary |= summarize(step_ms_measured, **perf_args) | memory_gib(dist.device)
-    if step == max_steps and cfg.sample.num_samples:
-        texts = sample(model, cfg.sample, plan, dist.device)
+    if step == max_steps and cfg.sample.num_samples:  # every rank samples: FSDP needs them all
+        s = cfg.sample
+        texts = generate.sample(
+            model, s.prompt, num_samples=s.num_samples, max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature, top_k=s.top_k, seed=cfg.train.seed, device=dist.device,
+            autocast=plan.autocast(dist.device),
+        )  # fmt: skip
         if dist.is_main:
-            write_samples(run_dir / "samples.txt", cfg.sample.prompt, texts, step)
+            generate.write_samples(run_dir / "samples.txt", s.prompt, texts, f"step {step}")
     summary = logger.finish(summary, run_dir)
     distributed.log(closing_line(run_dir, step, max_steps))
     distributed.shutdown()
     return summary
-
-
-def write_samples(path: Path, prompt: str, texts: list[str], step: int) -> None:
-    """Prints the samples and appends them to the run folder's `samples.txt`."""
-    blocks = [f"{prompt}{text}" for text in texts]
-    for block in blocks:
-        distributed.log(f"[sample] {block}\n---")
-    with open(path, "a") as f:
-        f.write(f"# step {step}\n" + "".join(f"{block}\n---\n" for block in blocks))
 
 
 def closing_line(run_dir: Path, step: int, max_steps: int) -> str:

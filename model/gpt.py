@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 # A fused head + loss: (hidden (N, C), head weight (V, C), targets (N,)) -> the mean loss.
 FusedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# The weights Hugging Face's GPT-2 stores as Conv1D, i.e. transposed relative to nn.Linear.
+HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 @dataclass
@@ -102,8 +104,9 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied input/output embeddings
-        # The padding rows must never be predicted nor share probability mass: a -inf bias on
-        # their logits. As the bias of the head's matmul it rides in the GEMM epilogue for free.
+        # The padding rows must never be predicted nor share probability mass: in the loss, a
+        # -inf bias on their logits (as the bias of the head's matmul it rides in the GEMM
+        # epilogue for free); the logits returned without targets leave those rows out.
         pad_mask = torch.zeros(config.padded_vocab_size)
         pad_mask[config.vocab_size :] = float("-inf")
         self.register_buffer("vocab_pad_mask", pad_mask, persistent=False)
@@ -156,9 +159,11 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is not None and self.fused_loss is not None:
             return None, self.fused_loss(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
-        logits = F.linear(x, self.lm_head.weight, self.vocab_pad_mask.to(x.dtype))
         if targets is None:
-            return logits[..., : self.config.vocab_size], None
+            # The real vocabulary's rows only: a new tensor, not a view (a slice of the padded
+            # logits is one, and FSDP warns about views returned by the modules it wraps).
+            return F.linear(x, self.lm_head.weight[: self.config.vocab_size]), None
+        logits = F.linear(x, self.lm_head.weight, self.vocab_pad_mask.to(x.dtype))
         # In float32 whatever the compute dtype (autocast would upcast it too).
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return None, loss
@@ -227,19 +232,12 @@ class GPT(nn.Module):
         model = cls(config)
         ours = model.state_dict()
         theirs = hf.state_dict()
-        # Hugging Face stores these as Conv1D, i.e. transposed relative to nn.Linear.
-        transposed = (
-            "attn.c_attn.weight",
-            "attn.c_proj.weight",
-            "mlp.c_fc.weight",
-            "mlp.c_proj.weight",
-        )
         with torch.no_grad():
             for name, param in ours.items():
                 if name == "lm_head.weight":
                     continue  # tied to transformer.wte.weight
                 src = theirs[name]
-                if name.endswith(transposed):
+                if name.endswith(HF_TRANSPOSED):
                     src = src.t()
                 if name == "transformer.wte.weight":
                     param[: src.shape[0]].copy_(src)  # the padding rows stay as initialised

@@ -3,6 +3,7 @@ move out of the training process, which then only launches GPU work."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from omegaconf import DictConfig
@@ -11,8 +12,25 @@ from data import LoaderOptions
 from recipe.distributed import log
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or a scheduler's share,
+    not the machine's count), as the DataLoader itself counts them."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def apply_workers(options: LoaderOptions, cfg: DictConfig) -> LoaderOptions:
+    """`num_workers` persistent workers, at most one per available CPU: more only take turns on
+    the same cores (and the DataLoader warns about them each time it starts its workers)."""
     if cfg.num_workers < 1:
         raise ValueError(f"opt.workers.num_workers must be >= 1, got {cfg.num_workers}")
-    log(f"[opt] workers: {cfg.num_workers} persistent, prefetch {cfg.prefetch_factor} batches each")
-    return replace(options, num_workers=cfg.num_workers, prefetch_factor=cfg.prefetch_factor)
+    workers = min(cfg.num_workers, available_cpus())
+    capped = (
+        f" (opt.workers.num_workers={cfg.num_workers} capped to the {workers} CPUs this process "
+        "may use)"
+        if workers < cfg.num_workers
+        else ""
+    )
+    log(f"[opt] workers: {workers} persistent{capped}, prefetch {cfg.prefetch_factor} batches each")
+    return replace(options, num_workers=workers, prefetch_factor=cfg.prefetch_factor)

@@ -8,12 +8,15 @@ rebuilt from what was saved plus what the command line changes.
 - `for_resume(run_dir, overrides)`: the saved command line with the new overrides on top, composed
   again by Hydra; what changed is printed, and changes that would make the checkpoint meaningless
   (the model's shape, the corpus, the seed) are refused naming both values.
+- `annotated_help(config_name)`: `--help` of the Hydra apps (train.py, sample.py, the scripts):
+  their yaml file as written, comments included, and the options of its groups.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 import data
+from recipe import rundir
 from recipe.distributed import log
 
 CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
@@ -114,12 +118,17 @@ CHOICES: dict[str, tuple] = {
 }
 
 
-def validate(cfg: DictConfig) -> None:
-    """Refuses the first bad setting, naming the key, what it must be and what it is."""
-    for key, rule in NUMBERS.items():
+def check_numbers(cfg: DictConfig, rules: dict[str, Number]) -> None:
+    """Refuses the first setting outside its rule, naming the key, the rule and the value."""
+    for key, rule in rules.items():
         value = OmegaConf.select(cfg, key)
         if not rule.accepts(value):
             raise ValueError(f"{key} must be {rule.describe()}, got {value!r}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Refuses the first bad setting, naming the key, what it must be and what it is."""
+    check_numbers(cfg, NUMBERS)
     for key, options in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in options or type(value) is not type(options[0]):
@@ -239,3 +248,57 @@ def check_resume(saved: dict, cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
         if not (pretrained and key.startswith("model.")):
             log(f"[resume] {key}: {old!r} -> {new!r}")
     return changes
+
+
+# ---- --help: the yaml files themselves, with their comments
+
+
+def register_resolvers() -> None:
+    """The resolvers the yaml files use: `${launch:}` (the run folder's name) and
+    `${annotated_help:<config name>}` (conf/hydra/help/annotated.yaml)."""
+    OmegaConf.register_new_resolver("launch", rundir.launch_stamp, replace=True)
+    OmegaConf.register_new_resolver("annotated_help", annotated_help, replace=True)
+
+
+def _header(path: Path) -> str:
+    """A yaml file's opening comment, as one line."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    return " ".join(lines)
+
+
+def _groups(config_name: str) -> list[tuple[str, Any]]:
+    """The config groups a primary config's defaults list selects, with its default choice
+    (an option, a list of them, or None)."""
+    defaults = OmegaConf.load(CONF_DIR / f"{config_name}.yaml").get("defaults", [])
+    groups = []
+    for entry in OmegaConf.to_container(defaults):
+        if isinstance(entry, dict):  # not _self_ nor a plain config file
+            ((group, choice),) = entry.items()
+            if (CONF_DIR / group).is_dir():  # not an override of Hydra's own groups
+                groups.append((group, choice))
+    return groups
+
+
+def annotated_help(config_name: str) -> str:
+    """`--help`: conf/<config_name>.yaml as written (every key with its comment), then each of
+    its groups' options with the opening comment of the option's file. Escaped for Hydra's help
+    template (a string.Template: `$` is written `$$`)."""
+    path = CONF_DIR / f"{config_name}.yaml"
+    out = [f"== {path.relative_to(CONF_DIR.parent)}: override any key with key=value ==", ""]
+    out += [path.read_text().rstrip(), ""]
+    for group, choice in _groups(config_name):
+        if isinstance(choice, list):
+            how = f"any number of them: +{group}=<option> or +{group}=[<option>,<option>]"
+        else:
+            how = f"{group}=<option>, default {choice if choice is not None else 'none'}"
+        out.append(f"== {group}: {how} (conf/{group}/) ==")
+        for option in sorted((CONF_DIR / group).glob("*.yaml"), key=lambda p: p.stem):
+            text = f"{option.stem:<14}{_header(option)}"
+            out += textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent=" " * 16)
+        out.append("")
+    out.append("Hydra: --cfg job prints the composed config, -m runs a sweep, --hydra-help its own")
+    return "\n".join(out).replace("$", "$$")

@@ -5,12 +5,13 @@
     python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
     python scripts/ablate.py ladder=speed steps=[compile,amp_fp16] "extra=['+prof=trace']"
 
-A ladder (`conf/ladder/<name>.yaml`) is a workload (overrides and stages every step runs with)
-and a list of steps; each step adds stages (`+opt=...`) and overrides to the ones before it (or,
-with `cumulative: false`, to the workload alone), and may `drop` stages that earlier steps added
-(a stage that cannot combine with a later one). Every step runs `train.py` in its own process,
-so allocator and compiler state start clean; a step that runs out of memory, fails or times out
-is recorded as such (a timed-out step is killed with all its processes) and the ladder goes on.
+A ladder (`conf/ablate/ladder/<name>.yaml`) is a workload (overrides and stages every step runs
+with) and a list of steps; each step adds stages (`+opt=...`) and overrides to the ones before it
+(or, with `cumulative: false`, to the workload alone), and may `drop` stages that earlier steps
+added (a stage that cannot combine with a later one). Every step runs `train.py` in its own
+process, so allocator and compiler state start clean; a step that runs out of memory, fails or
+times out is recorded as such (a timed-out step is killed with all its processes) and the ladder
+goes on.
 
 A step may run on several GPUs: `nproc: N` processes under torchrun, and with `nnodes: M` as M
 "machines" of N GPUs each on this host (M torchrun agents meeting at a c10d rendezvous on
@@ -43,6 +44,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
+# The harness's own config, apart from conf/'s groups: train.py's search path does not see it.
+CONF = ROOT / "conf" / "ablate"
 
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
@@ -451,7 +454,7 @@ def publish(ladder: DictConfig, rows: list[dict], env: dict, folder: Path) -> No
 
 
 def main(argv: list[str]) -> list[dict]:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("ablate", overrides=argv)
     ladder = cfg.ladder
     plans = step_plans(ladder)

@@ -75,8 +75,11 @@ def _leaf_keys(yaml_file):
             yield match.group(2), line
 
 
-DOCUMENTED = [CONF / "config.yaml", CONF / "model/gpt2.yaml", CONF / "data/shakespeare.yaml",
-              *sorted((CONF / "opt").glob("*.yaml"))]  # fmt: skip
+DOCUMENTED = [
+    *sorted(CONF.glob("*.yaml")),  # the trainer's and the tools' (sample.py, scripts/)
+    CONF / "model/gpt2.yaml", CONF / "data/shakespeare.yaml",
+    *sorted((CONF / "opt").glob("*.yaml")), CONF / "hydra/help/annotated.yaml",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("yaml_file", DOCUMENTED, ids=lambda p: str(p.relative_to(CONF)))
@@ -105,11 +108,23 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_help_and_cfg_job() -> None:
+def test_cli_help_shows_every_key_with_its_comment_and_only_the_trainers_groups() -> None:
     helped = _cli("--help")
     assert helped.returncode == 0, helped.stderr
-    assert "model: gpt2, gpt2-large, gpt2-medium, gpt2-xl, tiny" in helped.stdout
-    assert "opt: ac, accum, amp" in helped.stdout
+    text = helped.stdout
+    for line in (CONF / "config.yaml").read_text().splitlines():  # the file, comments included
+        assert line in text, line
+    assert "max_steps: 400            # optimizer steps to run" in text
+    groups = re.findall(r"^== (\w+): ", text, flags=re.M)
+    assert groups == ["model", "data", "opt", "prof"]  # not ablate.py's `ladder`
+    assert not re.search(r"^\W*ladder", text, flags=re.M)
+    for option in (CONF / "opt").glob("*.yaml"):  # each option with its file's opening comment
+        first = (CONF / "opt" / option.name).read_text().splitlines()[0].lstrip("# ")
+        assert re.search(rf"^  {option.stem} +{re.escape(first[:40])}", text, flags=re.M), option
+    assert "tiny          A GPT-2-shaped toy" in text
+
+
+def test_cli_cfg_job() -> None:
     shown = _cli("--cfg", "job", "model=gpt2", "+opt=[amp,compile]")
     assert shown.returncode == 0, shown.stderr
     cfg = OmegaConf.create(shown.stdout)

@@ -1,0 +1,81 @@
+"""What the after-training tools share (sample.py, scripts/evaluate.py, scripts/export_hf.py):
+the model they read, from a run folder or from Hugging Face weights; the device and precision
+they run in; and bad input reported in one line instead of a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from model import GPT
+from opt.amp import warn_if_float16_on_cpu
+from recipe import checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def run_dir(run: str | None) -> Path:
+    """`run=`: the folder of a training run."""
+    path = Path(str(run)).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"run={run}: no such folder; give the folder of a training run (its hydra.run.dir, "
+            "by default outputs/<date>/<time>-<pid>)"
+        )
+    return path
+
+
+def load_model(cfg: DictConfig, device: torch.device) -> tuple[GPT, dict[str, Any] | None]:
+    """The model that `run=` or `model.pretrained=` names (exactly one of them), on `device`,
+    and the run's saved config (None for Hugging Face weights)."""
+    run, pretrained = cfg.get("run"), cfg.model.get("pretrained")
+    if (run is None) == (pretrained is None):
+        raise ValueError(
+            f"run={run} and model.pretrained={pretrained} both name a model: give one"
+            if run is not None
+            else "which model? Give run=<a training run's folder> or model.pretrained=<a "
+            "save_pretrained dir or hub name>"
+        )
+    if run is not None:
+        return checkpoint.load_model(run_dir(run), device)
+    return GPT.from_pretrained(pretrained).to(device), None
+
+
+def source(cfg: DictConfig) -> str:
+    """The model a tool read, as its setting: `run=...` or `model.pretrained=...`."""
+    if cfg.get("run") is not None:
+        return f"run={cfg.run}"
+    return f"model.pretrained={cfg.model.pretrained}"
+
+
+def dtype(choice: str, device: torch.device) -> torch.dtype:
+    """`dtype=`: auto is bfloat16 on a GPU that supports it, else float32."""
+    if choice == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    if choice not in DTYPES:
+        raise ValueError(f"dtype={choice!r}: choose auto, {', '.join(DTYPES)}")
+    warn_if_float16_on_cpu(DTYPES[choice], device, "dtype")
+    return DTYPES[choice]
+
+
+def autocast(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast to `dtype` (as +opt=amp: the weights stay float32); nothing for float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def one_line_errors(name: str, task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+    """Runs `task(cfg)`; a bad setting, a missing file or an unreadable model ends the program
+    with one line naming it (exit status 1), not a traceback."""
+    try:
+        return task(cfg)
+    except (ValueError, RuntimeError, OSError) as e:
+        sys.exit(f"{name}: {e}")

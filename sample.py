@@ -1,0 +1,76 @@
+"""Sample text from a trained model: a training run's folder, or Hugging Face GPT-2 weights.
+
+    python sample.py run=outputs/2026-11-23/10-00-00-1234 prompt="ROMEO:"
+    python sample.py run=outputs/... prompt_file=prompt.txt num_samples=5 out=samples.txt
+    python sample.py model.pretrained=exported/ device=cpu     # a save_pretrained dir
+    python sample.py --help                                    # every key, conf/sample.yaml
+
+The model is rebuilt from the run's checkpoint alone (its saved shape, then its weights), and
+the text comes from the trainer's own generation function (recipe/generate.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from recipe import config, generate, tools
+from recipe.distributed import resolve_device
+
+config.register_resolvers()  # --help: conf/sample.yaml with its comments
+
+NUMBERS = {
+    "num_samples": config.count(1),
+    "max_new_tokens": config.count(1),
+    "temperature": config.positive(),
+    "top_k": config.count(1, nullable=True),
+    "seed": config.count(0),
+}
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="sample")
+def main(cfg: DictConfig) -> None:
+    tools.one_line_errors("sample.py", sample, cfg)
+
+
+def read_prompt(cfg: DictConfig) -> str:
+    """`prompt=` or the text of `prompt_file=`; neither: a newline, as the trainer's samples."""
+    if cfg.prompt is not None and cfg.prompt_file is not None:
+        raise ValueError(
+            f"prompt={cfg.prompt!r} and prompt_file={cfg.prompt_file} both give the prompt: "
+            "give one"
+        )
+    if cfg.prompt_file is not None:
+        path = Path(cfg.prompt_file).expanduser()
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"prompt_file={path}: cannot read it as UTF-8 text ({e})") from e
+    return "\n" if cfg.prompt is None else str(cfg.prompt)
+
+
+def sample(cfg: DictConfig) -> list[str]:
+    """Prints `num_samples` continuations of the prompt (and appends them to `out`); returns
+    them."""
+    config.check_numbers(cfg, NUMBERS)
+    prompt = read_prompt(cfg)
+    device = resolve_device(cfg.device)
+    dtype = tools.dtype(cfg.dtype, device)
+    model, _ = tools.load_model(cfg, device)
+    if cfg.compile:
+        model.compile()  # in place; the context grows each token: compiled with dynamic shapes
+    texts = generate.sample(
+        model, prompt, num_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed, device=device,
+        autocast=tools.autocast(dtype, device), eager=not cfg.compile,
+    )  # fmt: skip
+    heading = f"{tools.source(cfg)} seed={cfg.seed} temperature={cfg.temperature} top_k={cfg.top_k}"
+    out = Path(cfg.out).expanduser() if cfg.out is not None else None
+    generate.write_samples(out, prompt, texts, heading, prefix="")
+    return texts
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Validation loss and perplexity of a trained model, by the trainer's own evaluation code.
+
+    python scripts/evaluate.py run=outputs/2026-11-23/10-00-00-1234        # the run's own corpus
+    python scripts/evaluate.py run=outputs/... data=text data.files='notes/*.txt' out=eval.json
+    python scripts/evaluate.py model.pretrained=exported/ eval_sequences=200
+    python scripts/evaluate.py --help                                     # conf/evaluate.yaml
+
+The run's model comes from its checkpoint, its settings from its saved config: the corpus (or
+`data=`), the seed that picks the fixed validation windows, and the stages that change the
+numbers (amp's precision, the fused head). The loader and the loss are train.py's
+(`build_loaders`, `evaluate`), so on the same checkpoint and data the loss equals the run's last
+logged val/loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+import data  # noqa: E402
+import opt  # noqa: E402
+from model import GPT  # noqa: E402
+from recipe import config, distributed, tools  # noqa: E402
+from train import build_loaders, evaluate  # noqa: E402
+
+config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
+
+# Stages that spread training over processes: one process evaluates, with the rest of the plan.
+SPREADING = ("ddp", "fsdp")
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
+def main(cfg: DictConfig) -> None:
+    tools.one_line_errors("evaluate.py", evaluate_model, cfg)
+
+
+def run_config(cfg: DictConfig, saved: dict[str, Any] | None, model: GPT) -> DictConfig:
+    """The trainer's config this evaluation runs under: the run's saved one (for Hugging Face
+    weights, the trainer's defaults), with the model's real shape, and `data=`, `eval_sequences`,
+    `block_size` and `device` on top. Stages that spread training over processes are dropped."""
+    if saved is None:
+        saved = OmegaConf.to_container(config.compose([]), resolve=True)
+    run_cfg = OmegaConf.create(config.resolved(OmegaConf.create(saved), model.config))
+    if cfg.get("data") is not None:
+        run_cfg.data = cfg.data
+    if cfg.eval_sequences is not None:
+        run_cfg.train.eval_sequences = cfg.eval_sequences
+    if cfg.block_size is not None:
+        if cfg.block_size > model.config.block_size:
+            raise ValueError(
+                f"block_size={cfg.block_size} exceeds the model's {model.config.block_size} "
+                f"positions: use block_size<={model.config.block_size}"
+            )
+        run_cfg.model.block_size = cfg.block_size
+    run_cfg.device = cfg.device
+    run_cfg.opt = {k: v for k, v in run_cfg.opt.items() if k not in SPREADING}
+    config.validate(run_cfg)
+    return run_cfg
+
+
+def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
+    """Prints the validation loss and perplexity (and writes them to `out` as JSON)."""
+    config.check_numbers(
+        cfg, {"eval_sequences": config.count(1, nullable=True),
+              "block_size": config.count(1, nullable=True)},
+    )  # fmt: skip
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ValueError("evaluate.py runs as one process: start it with python, not torchrun")
+    model, saved = tools.load_model(cfg, distributed.resolve_device(cfg.device))
+    run_cfg = run_config(cfg, saved, model)
+
+    # As the trainer does: the plan and the model stages, the corpus, the fixed windows.
+    dist = distributed.init(run_cfg.device)
+    plan = opt.plan(run_cfg, dist)
+    model = opt.apply_model_stages(model, run_cfg.opt, plan, dist)
+    data.prepare(run_cfg.data)
+    _, val_loader = build_loaders(run_cfg, plan, dist)
+    loss = evaluate(model, val_loader, plan, dist)
+
+    sequences, block = run_cfg.train.eval_sequences, run_cfg.model.block_size
+    result = {
+        "val/loss": loss,
+        "val/perplexity": math.exp(loss),
+        "model": tools.source(cfg),
+        "data": run_cfg.data.name,
+        "eval_sequences": sequences,
+        "block_size": block,
+        "stages": plan.stages,
+        "device": str(dist.device),
+    }
+    print(
+        f"[evaluate] val/loss {loss:.4f} | perplexity {math.exp(loss):.2f} | {sequences} windows "
+        f"of {block} tokens of {run_cfg.data.name} | stages {'+'.join(plan.stages) or 'none'}"
+    )
+    if cfg.out is not None:
+        Path(cfg.out).expanduser().write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

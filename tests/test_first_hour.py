@@ -1,0 +1,138 @@
+"""A new user's first hour: the README's commands are what CI runs and install what the tests
+need; float16 on a CPU says it is slow, once; DataLoader workers never outnumber the CPUs; FSDP
+has no view to warn about."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+import data
+import opt
+from conftest import ROOT, python, tiny_cfg
+from model import GPT, GPTConfig
+from recipe.distributed import Distributed
+
+SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci/readme_commands.py")
+readme_commands = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(readme_commands)
+
+
+# ---- the README's commands
+
+
+def test_ci_runs_exactly_the_readmes_set_up_and_test_lines() -> None:
+    lines = readme_commands.commands((ROOT / "README.md").read_text())
+    commands = [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+    install, *rest = commands
+    assert install == 'pip install torch==2.13.0 && pip install -e ".[dev]"'
+    assert "python train.py" in rest and "pytest -q" in rest
+
+    # The set-up installs what the test and lint commands run: the `dev` extra has them.
+    extras = (ROOT / "pyproject.toml").read_text()
+    dev = re.search(r"^dev = \[(.*)\]$", extras, flags=re.M).group(1)
+    assert re.search(r'"pytest[^"]*"', dev) and re.search(r'"ruff[^"]*"', dev)
+    assert "ruff check . && ruff format --check ." in rest
+
+    # CI runs those lines and installs or tests nothing of its own.
+    ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line[:1] != "#"]
+    assert "python3 .ci/readme_commands.py README.md > .venv-ci/readme.sh" in ci
+    assert "bash -euxo pipefail .venv-ci/readme.sh" in ci
+    assert not [line for line in ci if re.search(r"pip install|pytest|ruff|train\.py", line)]
+
+
+def test_a_ci_mark_without_its_block_is_an_error() -> None:
+    assert readme_commands.commands("<!-- ci -->\n```bash\nmake test\n```\n") == ["make test"]
+    with pytest.raises(SystemExit, match="must precede a ```bash block"):
+        readme_commands.commands("<!-- ci -->\nmake test\n")
+
+
+# ---- one line of warning, once
+
+
+def test_float16_on_a_cpu_warns_once_and_bfloat16_does_not(capsys) -> None:
+    opt.plan(tiny_cfg("+opt=amp"), SINGLE)
+    out = capsys.readouterr().out
+    assert out.count("[warning]") == 1
+    assert "opt.amp.dtype=float16 on a CPU is emulated" in out
+    assert "use opt.amp.dtype=bfloat16" in out
+    opt.plan(tiny_cfg("+opt=amp", "opt.amp.dtype=bfloat16"), SINGLE)
+    assert "[warning]" not in capsys.readouterr().out
+
+
+def test_workers_are_capped_to_the_cpus_and_torch_has_nothing_to_warn_about(
+    monkeypatch, capsys
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # a 2-core machine
+    plan = opt.plan(tiny_cfg("+opt=workers"), SINGLE)  # the default: 4 workers
+    assert plan.loader.num_workers == 2
+    assert capsys.readouterr().out.splitlines() == [
+        "[opt] workers: 2 persistent (opt.workers.num_workers=4 capped to the 2 CPUs this "
+        "process may use), prefetch 2 batches each"
+    ]
+    loader = data.build_loader(
+        data.RandomTokens(8, 0, 64), 4, rank=0, world_size=1, seed=0, options=plan.loader
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        next(iter(loader))  # the DataLoader checks the worker count as its workers start
+    assert not [w for w in caught if "worker processes in total" in str(w.message)]
+    plan = opt.plan(tiny_cfg("+opt=workers", "opt.workers.num_workers=1"), SINGLE)
+    assert plan.loader.num_workers == 1 and "capped" not in capsys.readouterr().out
+
+
+# ---- FSDP's "returned a view tensor" warning
+
+
+def test_model_outputs_are_no_views() -> None:
+    """FSDP2 warns when a module it wraps returns a view that requires grad (an in-place op on
+    it would skip its pre-backward hook). The cause was the logits returned as a slice of the
+    padded vocabulary; they are now computed over the real vocabulary only."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50))
+    idx = torch.randint(0, 50, (2, 8))
+    logits, _ = model(idx)
+    _, loss = model(idx, idx)
+    assert logits.requires_grad and logits._base is None and logits.shape == (2, 8, 50)
+    assert loss.requires_grad and loss._base is None
+    with torch.no_grad():  # the same numbers as the padded head, masked
+        padded = torch.nn.functional.linear(
+            model.transformer.ln_f(model.transformer.h[0](model.embed(idx))),
+            model.lm_head.weight,
+            model.vocab_pad_mask,
+        )
+    torch.testing.assert_close(logits.detach(), padded[..., :50])
+
+
+FSDP_PROBE = """
+import warnings, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from model import GPT, GPTConfig
+from recipe.distributed import init_process_group
+init_process_group(torch.device("cpu"), rank=0, world_size=1, store=dist.HashStore())
+model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50))
+fully_shard(model.transformer.h[0])
+fully_shard(model)
+idx = torch.randint(0, 50, (2, 8))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model(idx)[0].sum().backward()  # logits, with autograd on
+    model(idx, idx)[1].backward()  # the training loss
+print("views:", sum("returned a view tensor" in str(w.message) for w in caught))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_sees_no_view_from_the_model() -> None:
+    done = subprocess.run(
+        [python(), "-c", FSDP_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "views: 0" in done.stdout
