@@ -296,9 +296,12 @@ def annotated_help(config_name: str) -> str:
         else:
             how = f"{group}=<option>, default {choice if choice is not None else 'none'}"
         out.append(f"== {group}: {how} (conf/{group}/) ==")
-        for option in sorted((CONF_DIR / group).glob("*.yaml"), key=lambda p: p.stem):
-            text = f"{option.stem:<14}{_header(option)}"
-            out += textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent=" " * 16)
+        options = sorted((CONF_DIR / group).glob("*.yaml"), key=lambda p: p.stem)
+        width = max(14, *(len(option.stem) + 2 for option in options))  # names, then their text
+        for option in options:
+            text = f"{option.stem:<{width}}{_header(option)}"
+            indent = " " * (width + 2)
+            out += textwrap.wrap(text, 98, initial_indent="  ", subsequent_indent=indent)
         out.append("")
     out.append("Hydra: --cfg job prints the composed config, -m runs a sweep, --hydra-help its own")
     return "\n".join(out).replace("$", "$$")
