@@ -102,6 +102,31 @@ def wandb_calls(monkeypatch: pytest.MonkeyPatch) -> WandbCalls:
     return calls
 
 
+def compiled_against_eager(
+    run_dir: Path, eager: list[str], compiled: list[str], rtol: float
+) -> dict:
+    """Trains the tiny config with the `eager` overrides, then with the `compiled` ones (from a
+    fresh dynamo state); their logged losses must agree within `rtol`. Returns dynamo's counters
+    of the compiled run (graphs, breaks), for the caller to check."""
+    import torch._dynamo
+
+    from train import train
+
+    train(tiny_cfg(*eager), run_dir / "eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    train(tiny_cfg(*compiled), run_dir / "compiled")
+    counters = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}
+    torch.testing.assert_close(
+        logged(run_dir / "compiled", "train/loss"),
+        logged(run_dir / "eager", "train/loss"),
+        rtol=rtol,
+        atol=0,
+    )
+    torch._dynamo.reset()
+    return counters
+
+
 def logged(run_dir: Path, key: str) -> list:
     """The values of metric `key` in a run's metrics.jsonl, in order."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

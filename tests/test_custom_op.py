@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import opt
-from conftest import CONF, ROOT, logged, make_cfg, python, tiny_cfg
+from conftest import CONF, ROOT, compiled_against_eager, logged, make_cfg, python, tiny_cfg
 from kernels import linear_cross_entropy
 from model import GPT, GPTConfig
 from opt.custom_op import apply_custom_op
@@ -289,24 +289,11 @@ def _done(bucket) -> torch.futures.Future:
 
 @pytest.mark.slow
 def test_compiled_training_with_the_stage_matches_eager(tmp_path) -> None:
-    import torch._dynamo
-
     args = ("train.max_steps=3", "train.log_interval=1", "sample.num_samples=0",
             "wandb.mode=disabled", "+opt=[custom_op,amp]", "opt.amp.dtype=bfloat16")  # fmt: skip
-    train(tiny_cfg(*args), tmp_path / "eager")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    train(tiny_cfg(*args[:-2], "+opt=[custom_op,amp,compile]", "opt.amp.dtype=bfloat16"),
-          tmp_path / "compiled")  # fmt: skip
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    assert not torch._dynamo.utils.counters["graph_break"]
-    torch.testing.assert_close(
-        logged(tmp_path / "compiled", "train/loss"),
-        logged(tmp_path / "eager", "train/loss"),
-        rtol=1e-2,
-        atol=0,
-    )
-    torch._dynamo.reset()
+    compiled = [*args[:-2], "+opt=[custom_op,amp,compile]", "opt.amp.dtype=bfloat16"]
+    counters = compiled_against_eager(tmp_path, list(args), compiled, rtol=1e-2)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters.get("graph_break")
 
 
 def test_the_benchmark_harness_runs_and_reports(tmp_path) -> None:

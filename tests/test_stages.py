@@ -15,7 +15,7 @@ from torch.optim import adam as adam_module  # where AdamW's three implementatio
 
 import data
 import opt
-from conftest import CONF, logged, make_cfg, tiny_cfg
+from conftest import CONF, compiled_against_eager, logged, make_cfg, tiny_cfg
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from recipe.distributed import Distributed
@@ -438,17 +438,8 @@ def test_compile_compiles_and_matches_eager(tmp_path) -> None:
         "sample.num_samples=0",
         "wandb.mode=disabled",
     )
-    train(tiny_cfg(*args), tmp_path / "eager")
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    train(tiny_cfg(*args, "+opt=compile"), tmp_path / "compiled")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
-    torch.testing.assert_close(
-        logged(tmp_path / "compiled", "train/loss"),
-        logged(tmp_path / "eager", "train/loss"),
-        rtol=1e-4,
-        atol=0,
-    )
+    counters = compiled_against_eager(tmp_path, args, [*args, "+opt=compile"], rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] >= 1
 
     model = _toy()  # scope=block compiles the blocks in place, leaving the names alone
     opt.compile.apply_compile(model, _knobs("compile", scope="block"))
