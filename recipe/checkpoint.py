@@ -48,11 +48,9 @@ def _is_sharded(model: torch.nn.Module) -> bool:
 
 def _weights_finite(model: torch.nn.Module, dist: Distributed) -> bool:
     """True on every rank if every rank's weights (or shards) are finite."""
-    finite = all(
-        torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all()
-        for p in model.parameters()
-    )
-    return not dist.any(not finite)
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    finite = torch.stack([torch.isfinite(t).all() for t in local]).all()  # one sync, not one each
+    return not dist.any(not finite.item())
 
 
 def _rng_state() -> dict[str, Any]:
@@ -64,8 +62,8 @@ def _rng_state() -> dict[str, Any]:
 
 def _remove_stale_temporaries(folder: Path) -> None:
     """Deletes `*.tmp-<pid>` files left by processes that were killed while saving."""
-    for tmp in [*folder.glob(f"{FILENAME}.tmp-*"), *folder.glob("*.pt.tmp-*"),
-                *folder.glob(f"{Path(FILENAME).stem}.tmp-*")]:  # fmt: skip
+    # `*.pt.tmp-<pid>`: write_atomically's; `checkpoint.tmp-<pid>`: earlier versions' name.
+    for tmp in [*folder.glob("*.pt.tmp-*"), *folder.glob(f"{Path(FILENAME).stem}.tmp-*")]:
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _alive(int(pid)):
             tmp.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import data
 from recipe import rundir
-from recipe.distributed import log
+from recipe.distributed import DEVICES, log
 
 CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -111,7 +111,7 @@ NUMBERS: dict[str, Number] = {
     "data.num_proc": count(1, nullable=True),
 }
 CHOICES: dict[str, tuple] = {
-    "device": ("auto", "cpu", "cuda"),
+    "device": DEVICES,
     "wandb.mode": ("auto", "online", "offline", "disabled"),
     "train.resume": (True, False),
     "model.bias": (True, False),

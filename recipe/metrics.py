@@ -200,9 +200,7 @@ def _init_wandb(run_dir: Path, cfg: DictConfig, name: str, config: dict, run_id:
     auto mode a server that does not answer within `wandb.init_timeout_s` means offline."""
     import wandb
 
-    mode = cfg.mode
-    if mode not in ("auto", "online", "offline"):
-        raise ValueError(f"wandb.mode={mode!r}: choose auto, online, offline or disabled")
+    mode = cfg.mode  # checked with the config (recipe/config.py): auto, online or offline here
     if mode == "auto":  # online only when an API key is configured (env or `wandb login`)
         mode = "online" if wandb.login(prompt=False, verify=False) else "offline"
 

@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-RUN_FILES = ("checkpoint.pt", "metrics.jsonl", "summary.json")
+from recipe.checkpoint import FILENAME, SHARDED
+
+RUN_FILES = (FILENAME, SHARDED, "metrics.jsonl", "summary.json")  # a folder with one holds a run
 
 
 def _start_time(pid: int) -> float | None:

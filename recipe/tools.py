@@ -14,10 +14,11 @@ import torch
 from omegaconf import DictConfig
 
 from model import GPT
+from opt.amp import DTYPES as AMP_DTYPES
 from opt.amp import warn_if_float16_on_cpu
 from recipe import checkpoint
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, **AMP_DTYPES}
 
 
 def run_dir(run: str | None) -> Path:
