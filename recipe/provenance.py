@@ -1,10 +1,16 @@
-"""Which code measured a number: the commit, for results files."""
+"""Which code and machine measured a number: the commit and the environment, for results files."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import platform
+import shlex
 import subprocess
 from pathlib import Path
+from typing import Any
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,3 +30,33 @@ def git_commit() -> str:
         return "unknown"
     dirty = git("status", "--porcelain", "--untracked-files=no")
     return commit + (" (with uncommitted changes)" if dirty else "")
+
+
+def environment(command: list[str]) -> dict[str, Any]:
+    """What the numbers were measured with: `command` (argv, joined for the shell), the commit,
+    the date, the device, the library versions, and on a GPU its driver and count."""
+    env = {
+        "command": shlex.join(command),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        query = ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"]
+        smi = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
+        env["driver"] = smi[0] if smi else None
+        env["gpus"] = torch.cuda.device_count()
+    return env
+
+
+def device_name() -> str:
+    """The first GPU's name, or the CPU's architecture."""
+    return (
+        torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else f"CPU ({platform.machine()})"
+    )

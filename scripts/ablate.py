@@ -31,7 +31,6 @@ import csv
 import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import signal
@@ -52,7 +51,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from recipe.distributed import descendants, torchrun  # noqa: E402
-from recipe.provenance import git_commit  # noqa: E402
+from recipe.provenance import device_name, environment, git_commit  # noqa: E402
 
 OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|not enough memory|Cannot allocate memory")
 # The per-step numbers, from the run's summary.json: (column, summary key).
@@ -244,34 +243,6 @@ def stop(procs: list[subprocess.Popen], grace_s: float = 20) -> None:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
     for p in running:
         p.wait()
-
-
-def environment(argv: list[str]) -> dict[str, Any]:
-    """What the numbers were measured with."""
-    env = {
-        "command": shlex.join(["python", "scripts/ablate.py", *argv]),
-        "git_commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-    }
-    if torch.cuda.is_available():
-        query = ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"]
-        smi = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
-        env["driver"] = smi[0] if smi else None
-        env["gpus"] = torch.cuda.device_count()
-    return env
-
-
-def device_name() -> str:
-    return (
-        torch.cuda.get_device_name(0)
-        if torch.cuda.is_available()
-        else f"CPU ({platform.machine()})"
-    )
 
 
 def slug(name: str) -> str:
@@ -472,7 +443,7 @@ def main(argv: list[str]) -> list[dict]:
     )
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     runs_dir = Path(cfg.runs_dir).resolve() / f"{ladder.name}-{stamp}"
-    env = environment(argv)
+    env = environment(["python", "scripts/ablate.py", *argv])
     for plan in plans:
         if plan["name"] in wanted:
             kept[plan["name"]] = run_step(plan, ladder, cfg, runs_dir)

@@ -17,6 +17,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
+
+from recipe.provenance import environment  # noqa: E402
+
 WORKLOAD = (
     "model=gpt2 data=shakespeare train.batch_size=16 train.max_steps=300 train.lr=6e-4 "
     "train.min_lr=6e-5 train.warmup_steps=30 train.log_interval=25 train.eval_interval=25 "
@@ -55,8 +59,10 @@ def main() -> None:
             (("reference", args.reference), ("candidate", args.candidate))}  # fmt: skip
     final = {name: r["val_loss"][max(r["val_loss"])] for name, r in runs.items()}
     gap = final["candidate"] - final["reference"]
+    env = environment(["python", "scripts/quality.py", *sys.argv[1:]])
     result = {"runs": runs, "final_val_loss": final, "gap": gap, "tolerance": args.tolerance,
-              "passed": abs(gap) <= args.tolerance, "workload": WORKLOAD}  # fmt: skip
+              "passed": abs(gap) <= args.tolerance, "workload": WORKLOAD,
+              "environment": env}  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     steps = sorted(runs["reference"]["val_loss"])
     lines = [
@@ -73,6 +79,7 @@ def main() -> None:
         lines.append(f"| {s} | {a:.4f} | {'–' if b is None else f'{b:.4f}'} | "
                      f"{'–' if b is None else f'{b - a:+.4f}'} |")  # fmt: skip
     lines += ["", "Commands:", "", *[f"- `{r['command']}`" for r in runs.values()]]
+    lines += ["", "Environment:", "", *[f"- {key}: `{value}`" for key, value in env.items()]]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     import matplotlib
 

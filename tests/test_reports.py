@@ -65,3 +65,6 @@ def test_quality_runs_both_configurations_and_reports_the_gap(tmp_path) -> None:
         not result["passed"]
     )
     assert (tmp_path / "q.png").exists() and "gap" in (tmp_path / "q.md").read_text()
+    # What measured it is recorded next to the numbers.
+    assert result["environment"]["command"].startswith("python scripts/quality.py --out")
+    assert result["environment"]["device"].startswith("CPU") and result["environment"]["git_commit"]
