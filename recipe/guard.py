@@ -12,6 +12,8 @@ Under +opt=opt_in_backward each parameter steps from its gradient hook, during b
 (`step_parameter`): a parameter whose gradient is not finite skips its own update, and the step
 counts as bad if any did or if the loss is not finite (`steps_in_backward_done`). The parameters
 updated before a bad gradient turned up keep their updates: such a step can be partly applied.
+There a sync per parameter would stall backward, so torchao's low-bit AdamW (no device flag, but
+a tensor learning rate) skips on the device: a zero gradient at learning rate 0.
 """
 
 from __future__ import annotations
@@ -75,7 +77,10 @@ class NonFiniteGuard:
         self.grad_sq_sum += norm.square()
         self.bad_grad |= bad
         self.stepped_in_backward = True
-        _step_unless(optimizer, bad)
+        if _lr_is_a_tensor(optimizer):
+            _step_at_zero_lr_unless_finite(optimizer, grad, bad)
+        else:
+            _step_unless(optimizer, bad)
 
     def steps_in_backward_done(self, loss: torch.Tensor) -> torch.Tensor:
         """+opt=opt_in_backward, after backward: counts the step as bad if a parameter skipped
@@ -109,6 +114,29 @@ class NonFiniteGuard:
                 f"{clip}."
             )
         return {"train/skipped_steps": skipped}
+
+
+def _lr_is_a_tensor(optimizer: torch.optim.Optimizer) -> bool:
+    """torchao's low-bit AdamW keeps its learning rate as a tensor (not fused: no device flag)."""
+    return not optimizer.defaults.get("fused") and torch.is_tensor(optimizer.param_groups[0]["lr"])
+
+
+def _step_at_zero_lr_unless_finite(
+    optimizer: torch.optim.Optimizer, grad: torch.Tensor, bad: torch.Tensor
+) -> None:
+    """One parameter's step without reading `bad` on the host: a bad gradient becomes zeros and
+    the learning rate 0, so the weights stay exactly as they were; the moments decay one step
+    (as for a zero gradient) and the step count advances. A sync per parameter instead (as
+    `_step_unless` does) would stall every gradient hook of backward: measured on GPT-2 XL with
+    torchao's AdamW8bit, the GPU idled 65% of the step."""
+    group = optimizer.param_groups[0]
+    lr = group["lr"]
+    grad.masked_fill_(bad, 0.0)
+    group["lr"] = lr * ~bad  # on the flag's device: the update reads it there
+    try:
+        optimizer.step()
+    finally:
+        group["lr"] = lr
 
 
 def _step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:

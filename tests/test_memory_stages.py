@@ -383,6 +383,39 @@ def test_lowbit_composes_with_the_step_in_backward() -> None:
         assert torch.equal(a, b)
 
 
+def test_lowbit_in_backward_skips_a_non_finite_gradient_without_a_host_sync(monkeypatch) -> None:
+    """No device flag in torchao's update, but a tensor learning rate: a bad gradient steps as
+    zeros at learning rate 0 (weights unchanged), and no hook reads a value on the host."""
+    model, poison = _wide(), [False]
+    poisoned = model.transformer.h[0].mlp.c_fc.weight
+
+    def nan_gradient(param: torch.Tensor) -> None:  # runs before the stage's hook
+        if poison[0]:
+            param.grad.fill_(float("nan"))
+
+    poisoned.register_post_accumulate_grad_hook(nan_gradient)
+    batch = torch.randint(0, 256, (4, 9))
+    with torch.compiler.set_stance("force_eager"):
+        _, optimizer, guard, step = _trainer("+opt=[lowbit,opt_in_backward]", NO_CLIP, model=model)
+        step(batch, 1e-3)
+        before = {p: p.detach().clone() for p in model.parameters()}
+        poison[0], reads = True, []
+        for method in ("item", "__bool__"):  # what a host sync on a flag goes through
+            real = getattr(torch.Tensor, method)
+            monkeypatch.setattr(torch.Tensor, method, lambda t, _r=real: reads.append(t) or _r(t))
+        step(batch, 1e-3)
+        monkeypatch.undo()
+    assert not [t for t in reads if t.dtype == torch.bool], "a hook read its flag on the host"
+    assert int(guard.skipped) == 1
+    for p, weight in before.items():
+        assert torch.equal(p, weight) == (p is poisoned)  # only the bad one kept its weights
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for value in optimizer.state[poisoned].values():  # its moments: decayed, not poisoned
+        plain = value.dequantize() if hasattr(value, "dequantize") else value
+        assert torch.isfinite(plain).all()
+    assert torch.is_tensor(optimizer.param_groups[0]["lr"])  # the schedule's tensor, restored
+
+
 def test_lowbit_refuses_another_implementation_and_bad_bits() -> None:
     for impl in ("forloop", "foreach", "fused"):
         with pytest.raises(ValueError, match=rf"\+opt=lowbit and \+opt={impl}: torchao"):
@@ -393,8 +426,9 @@ def test_lowbit_refuses_another_implementation_and_bad_bits() -> None:
 
 @pytest.mark.slow
 def test_lowbit_end_to_end_compiled_checkpointed_and_resumed(tmp_path) -> None:
-    """train() with torchao's compiled update; its quantized state survives a checkpoint."""
-    args = ("+opt=lowbit", "train.checkpoint_interval=2", *QUIET)
+    """train() with torchao's compiled update, stepped in backward as the memory_xl ladder runs
+    it; its quantized state survives a checkpoint."""
+    args = ("+opt=[lowbit,opt_in_backward]", NO_CLIP, "train.checkpoint_interval=2", *QUIET)
     tiny_run(tmp_path / "straight", "train.max_steps=4", *args)
     run = tmp_path / "resumed"
     tiny_run(run, "train.max_steps=2", *args)
