@@ -108,16 +108,23 @@ def test_gradients_are_freed_in_backward() -> None:
     assert max(alive) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("impl", ["forloop", "fused"])  # a host sync, or the device flag
-def test_a_non_finite_gradient_skips_its_parameter_and_counts_the_step(impl: str) -> None:
-    model, poison = _toy(), [False]
-    poisoned = model.transformer.h[0].mlp.c_fc.weight
+def _nan_gradients_on_switch(model: GPT) -> tuple[torch.nn.Parameter, list[bool]]:
+    """A weight whose gradient turns NaN once `switch[0]` is set (its hook, registered before
+    the stage's, runs first): (the weight, switch)."""
+    poisoned, switch = model.transformer.h[0].mlp.c_fc.weight, [False]
 
-    def nan_gradient(param: torch.Tensor) -> None:  # runs before the stage's hook
-        if poison[0]:
+    def nan_gradient(param: torch.Tensor) -> None:
+        if switch[0]:
             param.grad.fill_(float("nan"))
 
     poisoned.register_post_accumulate_grad_hook(nan_gradient)
+    return poisoned, switch
+
+
+@pytest.mark.parametrize("impl", ["forloop", "fused"])  # a host sync, or the device flag
+def test_a_non_finite_gradient_skips_its_parameter_and_counts_the_step(impl: str) -> None:
+    model = _toy()
+    poisoned, poison = _nan_gradients_on_switch(model)
     _, optimizer, guard, step = _trainer(f"+opt=[{impl},opt_in_backward]", NO_CLIP, model=model)
     batch = torch.randint(0, 64, (4, 9))
     step(batch, 1e-3)  # a good step: every parameter has its state
@@ -386,14 +393,8 @@ def test_lowbit_composes_with_the_step_in_backward() -> None:
 def test_lowbit_in_backward_skips_a_non_finite_gradient_without_a_host_sync(monkeypatch) -> None:
     """No device flag in torchao's update, but a tensor learning rate: a bad gradient steps as
     zeros at learning rate 0 (weights unchanged), and no hook reads a value on the host."""
-    model, poison = _wide(), [False]
-    poisoned = model.transformer.h[0].mlp.c_fc.weight
-
-    def nan_gradient(param: torch.Tensor) -> None:  # runs before the stage's hook
-        if poison[0]:
-            param.grad.fill_(float("nan"))
-
-    poisoned.register_post_accumulate_grad_hook(nan_gradient)
+    model = _wide()
+    poisoned, poison = _nan_gradients_on_switch(model)
     batch = torch.randint(0, 256, (4, 9))
     with torch.compiler.set_stance("force_eager"):
         _, optimizer, guard, step = _trainer("+opt=[lowbit,opt_in_backward]", NO_CLIP, model=model)
