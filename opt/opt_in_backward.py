@@ -17,9 +17,9 @@ The non-finite guard (recipe/guard.py) acts per parameter here: a hook whose gra
 finite skips that parameter's update (on the device with fused AdamW; with torchao's low-bit
 AdamW on the device too, as a zero gradient at learning rate 0: the weights stay, the moments
 decay one step; one host sync per parameter with for-loop/foreach AdamW) and the step counts as
-bad. The other parameters' updates stand: unlike the
-normal step, a bad step can be partly applied. A non-finite loss is seen only after backward: it
-counts the step as bad but cannot undo the updates of parameters whose gradients were finite.
+bad. The other parameters' updates stand: unlike the normal step, a bad step can be partly
+applied. A non-finite loss is seen only after backward: it counts the step as bad but cannot
+undo the updates of parameters whose gradients were finite.
 
 Under +opt=compile with scope=model, the compiled backward hands every gradient over at its end:
 the updates still run in backward, but the gradients all exist together (scope=block keeps the

@@ -77,7 +77,7 @@ class NonFiniteGuard:
         self.grad_sq_sum += norm.square()
         self.bad_grad |= bad
         self.stepped_in_backward = True
-        if _lr_is_a_tensor(optimizer):
+        if _skips_at_zero_lr(optimizer):
             _step_at_zero_lr_unless_finite(optimizer, grad, bad)
         else:
             _step_unless(optimizer, bad)
@@ -116,8 +116,9 @@ class NonFiniteGuard:
         return {"train/skipped_steps": skipped}
 
 
-def _lr_is_a_tensor(optimizer: torch.optim.Optimizer) -> bool:
-    """torchao's low-bit AdamW keeps its learning rate as a tensor (not fused: no device flag)."""
+def _skips_at_zero_lr(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a bad parameter must skip as zeros at learning rate 0: no `found_inf` flag (not
+    fused) but a tensor learning rate the update reads on the device (torchao's low-bit AdamW)."""
     return not optimizer.defaults.get("fused") and torch.is_tensor(optimizer.param_groups[0]["lr"])
 
 
