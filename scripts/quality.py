@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="<out>.json, .md, .png")
     parser.add_argument("--reference", default=REFERENCE, help="the plain bf16 stages")
     parser.add_argument("--candidate", default=CANDIDATE, help="the fastest stages")
+    parser.add_argument("--title", default="the fastest configuration against plain bfloat16")
     parser.add_argument("--tolerance", type=float, default=0.02, help="nats, final val loss")
     parser.add_argument("--runs-dir", default="outputs/quality")
     parser.add_argument("extra", nargs="*", help="overrides for both runs (e.g. device=cpu)")
@@ -60,13 +61,13 @@ def main() -> None:
     final = {name: r["val_loss"][max(r["val_loss"])] for name, r in runs.items()}
     gap = final["candidate"] - final["reference"]
     env = environment(["python", "scripts/quality.py", *sys.argv[1:]])
-    result = {"runs": runs, "final_val_loss": final, "gap": gap, "tolerance": args.tolerance,
+    result = {"title": args.title, "runs": runs, "final_val_loss": final, "gap": gap, "tolerance": args.tolerance,
               "passed": abs(gap) <= args.tolerance, "workload": WORKLOAD,
               "environment": env}  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     steps = sorted(runs["reference"]["val_loss"])
     lines = [
-        "# Quality: the fastest configuration against plain bfloat16", "",
+        f"# Quality: {args.title}", "",
         f"Same seed and data; workload `{WORKLOAD}`.", "",
         f"- reference: `{args.reference}`", f"- candidate: `{args.candidate}`", "",
         f"Final validation loss: reference {final['reference']:.4f}, candidate "

@@ -390,6 +390,35 @@ def test_lowbit_composes_with_the_step_in_backward() -> None:
         assert torch.equal(a, b)
 
 
+def test_lowbit_builds_its_compiled_update_once_and_steps_as_torchao(monkeypatch) -> None:
+    """torchao 0.18's step wraps its update in a new torch.compile for every parameter at every
+    step (host time that left the XL step's GPU idle); ours builds no wrapper while stepping,
+    and its weights and quantized moments are torchao's, bit for bit."""
+    batches = [torch.randint(0, 256, (4, 9)) for _ in range(3)]
+    wrappers = {"ours": 0, "torchao": 0}
+    real_compile = torch.compile
+    with torch.compiler.set_stance("force_eager"):
+        ours = _trainer("+opt=lowbit", NO_CLIP, model=_wide())
+        theirs = _trainer("+opt=lowbit", NO_CLIP, model=_wide())
+        theirs[1].__class__ = type(theirs[1]).__bases__[0]  # torchao's own AdamW8bit
+        for i, batch in enumerate(batches):
+            for name, (_, _, _, step) in (("ours", ours), ("torchao", theirs)):
+                def counted(*args, _name=name, **kwargs):
+                    wrappers[_name] += 1
+                    return real_compile(*args, **kwargs)
+
+                monkeypatch.setattr(torch, "compile", counted)
+                step(batch, 1e-3 * (i + 1))
+                monkeypatch.undo()
+    hooked = sum(1 for p in ours[0].parameters() if p.requires_grad)
+    assert wrappers == {"ours": 0, "torchao": len(batches) * hooked}
+    for a, b in zip(ours[0].parameters(), theirs[0].parameters(), strict=True):
+        assert torch.equal(a, b)
+        for (key, x), (_, y) in zip(ours[1].state[a].items(), theirs[1].state[b].items()):
+            assert torch.equal(*(t.dequantize() if hasattr(t, "dequantize") else t
+                                 for t in (x, y))), key  # fmt: skip
+
+
 def test_lowbit_in_backward_skips_a_non_finite_gradient_without_a_host_sync(monkeypatch) -> None:
     """No device flag in torchao's update, but a tensor learning rate: a bad gradient steps as
     zeros at learning rate 0 (weights unchanged), and no hook reads a value on the host."""
