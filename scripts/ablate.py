@@ -201,10 +201,22 @@ def run_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path) ->
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     row.update({column: summary.get(key) for column, key in NUMBERS})
     if status != "ok":
-        lines = [line for line in output.splitlines() if line.strip()]
-        row["error"] = " | ".join(lines[-3:])[-600:]
+        row["error"] = failure_reason(output)
     print(f"[ablate]   -> {status}, {row['wall_s']} s", flush=True)
     return {**row, "status": status}
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RAISED = re.compile(r"^[\w.]*(Error|Exception)\b|CUDA out of memory")
+
+
+def failure_reason(output: str) -> str:
+    """What a failed step's output says went wrong: the last line naming an exception (wandb
+    prints its sync hints after the traceback), else the last three lines."""
+    lines = [ANSI.sub("", line).strip() for line in output.splitlines()]
+    lines = [line for line in lines if line]
+    raised = [line for line in lines if RAISED.search(line)]
+    return (raised[-1] if raised else " | ".join(lines[-3:]))[-600:]
 
 
 def wait_all(procs: list[subprocess.Popen], deadline: float) -> bool:

@@ -241,3 +241,20 @@ def test_a_timed_out_step_leaves_no_process_behind(tmp_path) -> None:
         except OSError:
             continue
     assert not left, f"processes of the timed-out step still running: {left}"
+
+
+def test_a_failed_step_is_reported_by_its_exception_not_by_what_follows_it() -> None:
+    output = "\n".join([
+        "Error executing job with overrides: ['model=gpt2-xl']",
+        "Traceback (most recent call last):",
+        '  File "train.py", line 1, in <module>',
+        "    raise torch.OutOfMemoryError(...)",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 12.28 GiB.",
+        "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.",
+        "\x1b[1;34mwandb\x1b[0m: You can sync this run to the cloud by running:",
+        "\x1b[1;34mwandb\x1b[0m: Find logs at: outputs/run/wandb/logs",
+    ])  # fmt: skip
+    assert ablate.failure_reason(output) == (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 12.28 GiB."
+    )
+    assert ablate.failure_reason("one\n\nKilled\n") == "one | Killed"  # no exception named
