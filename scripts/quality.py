@@ -61,9 +61,9 @@ def main() -> None:
     final = {name: r["val_loss"][max(r["val_loss"])] for name, r in runs.items()}
     gap = final["candidate"] - final["reference"]
     env = environment(["python", "scripts/quality.py", *sys.argv[1:]])
-    result = {"title": args.title, "runs": runs, "final_val_loss": final, "gap": gap, "tolerance": args.tolerance,
-              "passed": abs(gap) <= args.tolerance, "workload": WORKLOAD,
-              "environment": env}  # fmt: skip
+    result = {"title": args.title, "runs": runs, "final_val_loss": final, "gap": gap,
+              "tolerance": args.tolerance, "passed": abs(gap) <= args.tolerance,
+              "workload": WORKLOAD, "environment": env}  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     steps = sorted(runs["reference"]["val_loss"])
     lines = [

@@ -395,28 +395,34 @@ def test_lowbit_builds_its_compiled_update_once_and_steps_as_torchao(monkeypatch
     step (host time that left the XL step's GPU idle); ours builds no wrapper while stepping,
     and its weights and quantized moments are torchao's, bit for bit."""
     batches = [torch.randint(0, 256, (4, 9)) for _ in range(3)]
-    wrappers = {"ours": 0, "torchao": 0}
+    wrappers, stepping = {"ours": 0, "torchao": 0}, [""]
     real_compile = torch.compile
+
+    def counted(*args, **kwargs):
+        wrappers[stepping[0]] += 1
+        return real_compile(*args, **kwargs)
+
     with torch.compiler.set_stance("force_eager"):
         ours = _trainer("+opt=lowbit", NO_CLIP, model=_wide())
         theirs = _trainer("+opt=lowbit", NO_CLIP, model=_wide())
         theirs[1].__class__ = type(theirs[1]).__bases__[0]  # torchao's own AdamW8bit
+        monkeypatch.setattr(torch, "compile", counted)
         for i, batch in enumerate(batches):
-            for name, (_, _, _, step) in (("ours", ours), ("torchao", theirs)):
-                def counted(*args, _name=name, **kwargs):
-                    wrappers[_name] += 1
-                    return real_compile(*args, **kwargs)
-
-                monkeypatch.setattr(torch, "compile", counted)
-                step(batch, 1e-3 * (i + 1))
-                monkeypatch.undo()
-    hooked = sum(1 for p in ours[0].parameters() if p.requires_grad)
-    assert wrappers == {"ours": 0, "torchao": len(batches) * hooked}
+            for stepping[0], trainer in (("ours", ours), ("torchao", theirs)):
+                trainer[3](batch, 1e-3 * (i + 1))
+    monkeypatch.undo()
+    assert wrappers == {"ours": 0, "torchao": len(batches) * len(list(ours[0].parameters()))}
     for a, b in zip(ours[0].parameters(), theirs[0].parameters(), strict=True):
         assert torch.equal(a, b)
-        for (key, x), (_, y) in zip(ours[1].state[a].items(), theirs[1].state[b].items()):
-            assert torch.equal(*(t.dequantize() if hasattr(t, "dequantize") else t
-                                 for t in (x, y))), key  # fmt: skip
+        mine, torchao_s = ours[1].state[a], theirs[1].state[b]
+        assert mine.keys() == torchao_s.keys()
+        for key in mine:
+            assert torch.equal(_plain(mine[key]), _plain(torchao_s[key])), key
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A quantized optimizer state (torchao's OptimState8bit/4bit) as float32, else itself."""
+    return t.dequantize() if hasattr(t, "dequantize") else t
 
 
 def test_lowbit_in_backward_skips_a_non_finite_gradient_without_a_host_sync(monkeypatch) -> None:
@@ -441,8 +447,7 @@ def test_lowbit_in_backward_skips_a_non_finite_gradient_without_a_host_sync(monk
         assert torch.equal(p, weight) == (p is poisoned)  # only the bad one kept its weights
     assert all(torch.isfinite(p).all() for p in model.parameters())
     for value in optimizer.state[poisoned].values():  # its moments: decayed, not poisoned
-        plain = value.dequantize() if hasattr(value, "dequantize") else value
-        assert torch.isfinite(plain).all()
+        assert torch.isfinite(_plain(value)).all()
     assert torch.is_tensor(optimizer.param_groups[0]["lr"])  # the schedule's tensor, restored
 
 
