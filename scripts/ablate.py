@@ -216,7 +216,8 @@ def failure_reason(output: str) -> str:
     lines = [ANSI.sub("", line).strip() for line in output.splitlines()]
     lines = [line for line in lines if line]
     raised = [line for line in lines if RAISED.search(line)]
-    return (raised[-1] if raised else " | ".join(lines[-3:]))[-600:]
+    reason = raised[-1] if raised else " | ".join(lines[-3:])
+    return reason if len(reason) <= 600 else reason[:599] + "…"
 
 
 def wait_all(procs: list[subprocess.Popen], deadline: float) -> bool:
