@@ -25,7 +25,14 @@ from model import GPT, GPTConfig
 from recipe import checkpoint, config, distributed, generate, launch, rundir
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import peak_flops
-from recipe.metrics import MetricLogger, StepTimer, memory_gib, summarize, throughput
+from recipe.metrics import (
+    MetricLogger,
+    StepTimer,
+    memory_gib,
+    reset_memory_peaks,
+    summarize,
+    throughput,
+)
 from recipe.profiling import Profiler
 from recipe.schedule import learning_rate, set_learning_rate
 
@@ -160,6 +167,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         cfg, overrides = config.for_resume(run_dir, overrides)
     config.validate(cfg)
     dist = distributed.init(cfg.device)
+    reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
     resumed = checkpoint.read(run_dir) if cfg.train.resume else None

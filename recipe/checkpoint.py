@@ -49,7 +49,9 @@ def _is_sharded(model: torch.nn.Module) -> bool:
 def _weights_finite(model: torch.nn.Module, dist: Distributed) -> bool:
     """True on every rank if every rank's weights (or shards) are finite."""
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    finite = torch.stack([torch.isfinite(t).all() for t in local]).all()  # one sync, not one each
+    # One sync, not one each; the flags gathered on the run's device, since +opt=offload keeps
+    # some weights in host memory and others (those FSDP has just gathered) on the GPU.
+    finite = torch.stack([torch.isfinite(t).all().to(dist.device) for t in local]).all()
     return not dist.any(not finite.item())
 
 

@@ -57,8 +57,15 @@ class StepTimer:
         return [begin.elapsed_time(end) for begin, end in pending]
 
 
+def reset_memory_peaks(device: torch.device) -> None:
+    """Peaks count from here: a second run in one process (a test, a notebook) reports its own,
+    not the largest of all runs so far."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def memory_gib(device: torch.device) -> dict[str, float | None]:
-    """Peak allocated and reserved memory of the caching allocator since the start."""
+    """Peak allocated and reserved memory of the caching allocator since the run's start."""
     if device.type != "cuda":
         return {"mem/peak_allocated_gib": None, "mem/peak_reserved_gib": None}
     return {
