@@ -7,6 +7,8 @@ memory_xl ladder's row on GPT-2 124M). Skipped without CUDA; on a GPU machine:
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -27,7 +29,11 @@ GPT2_ARGS = (
 def _run(tmp_path, name: str, stages: str, *overrides: str) -> dict:
     from train import train
 
-    torch.cuda.reset_peak_memory_stats()
+    # An earlier run's model and optimizer outlive it in reference cycles (a gradient hook holds
+    # the optimizer, which holds the parameters) until the collector runs: free them first, or
+    # they count in this run's peak.
+    gc.collect()
+    torch.cuda.empty_cache()
     summary = train(make_cfg(*GPT2_ARGS, f"+opt=[{stages}]", *overrides), tmp_path / name)
     return {
         "peak": summary["mem/peak_allocated_gib"],
