@@ -60,7 +60,7 @@ class StepTimer:
 def reset_memory_peaks(device: torch.device) -> None:
     """Peaks count from here: a second run in one process (a test, a notebook) reports its own,
     not the largest of all runs so far."""
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_initialized():  # else: nothing allocated yet
         torch.cuda.reset_peak_memory_stats(device)
 
 
