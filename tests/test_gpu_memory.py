@@ -73,7 +73,9 @@ def test_offload_keeps_the_state_in_host_memory_and_is_exact(tmp_path) -> None:
     plain = _run(tmp_path, "plain", stages, *overrides)
     offloaded = _run(tmp_path, "offload", f"{stages},offload", *overrides)
     state_gib = 124e6 * 16 / 2**30  # weights, gradients, two moments
-    assert offloaded["peak"] < plain["peak"] - 0.7 * state_gib, (plain, offloaded)
+    # Measured on an H100: 1.31 GiB of the 1.85 GiB state left the GPU (a block at work keeps its
+    # weights and gradients there).
+    assert offloaded["peak"] < plain["peak"] - 0.6 * state_gib, (plain, offloaded)
     # The same math; AdamW on the CPU rounds differently from the fused CUDA kernel (measured:
     # 1.4e-5 relative after three steps).
     torch.testing.assert_close(offloaded["loss"], plain["loss"], rtol=1e-4, atol=0)
