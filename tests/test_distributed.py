@@ -204,9 +204,13 @@ def test_a_sharded_checkpoint_resumes_in_one_process(runs) -> None:
 
 @pytest.mark.distributed
 def test_two_machines_match_one_with_two_processes(runs) -> None:
+    # Not bit for bit: gloo may reduce across "hosts" in another order, and torchrun limits each
+    # worker to one thread only when it starts several (here: two agents of one worker each), so
+    # the CPU kernels may sum in another order too. In CI the losses once differed in the last
+    # bits at step 3 (10.664406776 against 10.664405823).
     two_nodes, one_node = _metrics(runs["two_nodes"]), _metrics(runs["ddp"])
-    assert two_nodes["train/loss"] == one_node["train/loss"]
-    for key in one_node:  # gloo may reduce across "hosts" in another order: the last bit
+    assert len(two_nodes["train/loss"]) == len(one_node["train/loss"]) == 4
+    for key in one_node:
         torch.testing.assert_close(two_nodes[key], one_node[key], rtol=RTOL[key], atol=0)
 
 
