@@ -64,8 +64,6 @@ def _update_compiled_once(base: type[torch.optim.Optimizer]) -> type[torch.optim
         # As torchao does: one graph per parameter shape, a fixed number, so no cache limit.
         with torch._dynamo.utils.disable_cache_limit():
             for group in self.param_groups:
-                if group["amsgrad"]:
-                    raise ValueError("+opt=lowbit runs AdamW without amsgrad")
                 for p in group["params"]:
                     if p.grad is None:
                         continue
@@ -74,12 +72,15 @@ def _update_compiled_once(base: type[torch.optim.Optimizer]) -> type[torch.optim
                         state["step"] = torch.tensor(0.0)
                         state["exp_avg"] = self._new_buffer(p, True)
                         state["exp_avg_sq"] = self._new_buffer(p, False)
+                        if group["amsgrad"]:
+                            state["max_exp_avg_sq"] = self._new_buffer(p, False)
                     state["step"] += 1
                     beta1, beta2 = group["betas"]
                     update(
                         p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
-                        None, group["lr"], beta1, beta2, group["weight_decay"], group["eps"],
-                        self.is_adamw, self.bf16_stochastic_round and p.dtype is torch.bfloat16,
+                        state.get("max_exp_avg_sq"), group["lr"], beta1, beta2,
+                        group["weight_decay"], group["eps"], self.is_adamw,
+                        self.bf16_stochastic_round and p.dtype is torch.bfloat16,
                     )  # fmt: skip
         return loss
 
