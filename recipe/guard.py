@@ -133,7 +133,7 @@ def _step_at_zero_lr_unless_finite(
     group = optimizer.param_groups[0]
     lr = group["lr"]
     grad.masked_fill_(bad, 0.0)
-    group["lr"] = lr * ~bad  # on the flag's device: the update reads it there
+    group["lr"] = torch.where(bad, 0.0, lr)  # on the flag's device: the update reads it there
     try:
         optimizer.step()
     finally:
