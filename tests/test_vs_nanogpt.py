@@ -7,7 +7,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -154,20 +156,22 @@ def test_measure_interleaves_rounds_and_stops_before_the_deadline(tmp_path, monk
         {**_config(f"ours b{b} {v}", "ours", b, True), "argv": ["python", "train.py"]}
         for b in batches for v in variants
     ])  # fmt: skip
-    ran = []
+    ran, clock = [], [0.0]
 
     def run_one(name, argv, bench_dir, run_dir, batch, timeout_s):
         ran.append(name)
+        clock[0] += 100.0  # every run takes 100 s
         return {"config": name, "wall_s": 100.0, "tokens_per_sec": 1e5 * (1 + len(ran))}
 
     monkeypatch.setattr(vs, "run_one", run_one)
+    monkeypatch.setattr(vs, "time", SimpleNamespace(time=lambda: clock[0], strftime=time.strftime))
     out = tmp_path / "vs"
     argv = ["run", "--bench", str(bench), "--batches", "32", "64", "--repeats", "3"]
     monkeypatch.setattr(sys, "argv", ["vs_nanogpt.py", *argv])
-    vs.main([*argv, "--ours", "plain", "--deadline-s", "50", "--out", str(out)])
+    vs.main([*argv, "--ours", "plain", "--deadline-s", "650", "--out", str(out)])
     round_ = ["bench.py b32", "bench.py b32 bias", "ours b32 plain"]
     round_ += ["bench.py b64", "bench.py b64 bias", "ours b64 plain"]
-    # The deadline (50 s) stops round 2 at its first run: round 1 said a run takes 100 s.
+    # Round 1 ends at 600 s; a run takes 100 s: round 2 would pass the deadline (650 s).
     assert ran == round_
     result = json.loads(out.with_suffix(".json").read_text())
     assert [r["repeat"] for r in result["runs"]] == [1] * 6
