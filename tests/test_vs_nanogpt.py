@@ -193,3 +193,15 @@ def test_run_one_runs_bench_py_from_a_copy_of_its_folder(tmp_path) -> None:
     (bench / "bench.py").write_text("raise SystemExit(3)\n")
     failed = vs.run_one("bench.py b8", argv, bench, tmp_path / "r2", batch=8, timeout_s=60)
     assert failed["status"] == "failed (exit 3)" and failed["tokens_per_sec"] is None
+
+
+@pytest.mark.slow  # a tiny train.py in a subprocess: ~20 s of CPU
+def test_run_one_reads_our_runs_tokens_per_sec(tmp_path) -> None:
+    from conftest import TINY
+
+    tiny = [o for o in TINY if not o.startswith(("wandb.", "sample."))]
+    argv = [sys.executable, "train.py", *tiny, *vs.OURS_RUN, "train.eval_sequences=4"]
+    run = vs.run_one("ours tiny", argv, None, tmp_path / "run", batch=4, timeout_s=240)
+    assert run["status"] == "ok", run.get("error")
+    assert run["tokens_per_sec"] > 0 and run["tokens_per_sec_median"] > 0
+    assert (tmp_path / "run/summary.json").exists()  # the run folder is the one given
