@@ -85,8 +85,12 @@ def _num(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def _interval(row: dict) -> str:
+    """`low–high` tokens/s, from [low, high] (or a {"low": .., "high": ..} mapping)."""
     interval = row.get("interval")
-    return "–".join(f"{v:,.0f}" for v in interval) if interval else MISSING
+    if not interval:
+        return MISSING
+    values = list(interval.values()) if isinstance(interval, dict) else list(interval)
+    return f"{min(values):,.0f}–{max(values):,.0f}"
 
 
 def _speed_ratio(row: dict, ref: dict | None) -> str:

@@ -50,6 +50,7 @@ BLOCK = 1024  # tokens per sequence, both sides
 BENCH_MS = re.compile(r"^time per iteration: ([\d.]+)ms", re.MULTILINE)
 # Our configurations: a step of the speed ladder (its stages and overrides, accumulated).
 VARIANTS = {"plain": "memmap", "custom_op": "custom_op", "fastest": "residual_bf16"}
+STAGES_BEYOND_PLAIN = {"custom_op": "plain + custom_op", "fastest": "plain + custom_op"}
 # Overrides that change what is computed, not how fast: named in every row they are in.
 OTHER_MATH = {
     "opt.amp.residual=compute": "bfloat16 residual stream",
@@ -284,10 +285,11 @@ def _x(r: dict) -> str:
 
 
 def describe(config: dict) -> str:
-    """`batch 64, biases, custom_op + bfloat16 residual stream (other math)`."""
+    """`batch 64, biases, plain + custom_op, other math: bfloat16 residual stream`."""
     parts = [f"batch {config['batch']}", "biases" if config["bias"] else "no biases"]
     if config["side"] == "ours":
-        parts.append(config.get("variant", "?"))
+        variant = config.get("variant", "?")
+        parts.append(STAGES_BEYOND_PLAIN.get(variant, variant))
     parts.append(f"other math: {config['math']}" if config["math"] else "bench.py's math")
     return ", ".join(parts)
 
@@ -298,7 +300,7 @@ def differences(ours: dict, nanogpt: dict) -> str:
     if ours["batch"] != nanogpt["batch"]:
         diffs.append(f"batch {ours['batch']} vs {nanogpt['batch']}")
     if ours["bias"] != nanogpt["bias"]:
-        diffs.append("biases on one side only")
+        diffs.append(f"biases on {'ours' if ours['bias'] else 'bench.py'} only")
     if ours["math"]:
         diffs.append(f"ours changes the math ({ours['math']})")
     return "not equal work: " + "; ".join(diffs) if diffs else "equal work"

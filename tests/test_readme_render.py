@@ -81,7 +81,7 @@ def test_memory_xl_is_relative_to_ac_and_marks_the_target(tmp_path: Path) -> Non
     steps = [
         {**base, "name": "ac", "tokens_per_sec": 30_000.0, "peak_allocated_gib": 33.0},
         {**base, "name": "lowbit", "tokens_per_sec": 21_000.0, "peak_allocated_gib": 15.1,
-         "repeats": 3, "interval": [15_000.0, 22_000.0], "within_noise": False},
+         "repeats": 3, "interval": {"low": 15_000.0, "high": 22_000.0}, "within_noise": False},
     ]  # fmt: skip
     path = _results(tmp_path, "memory_xl.json", steps)
     text = render_readme.render(_marked("memory_xl", path) + _marked("xl_target", path), tmp_path)
@@ -98,7 +98,7 @@ def test_vs_nanogpt_renders_the_new_schema(tmp_path: Path) -> None:
     path.parent.mkdir()
     path.write_text(json.dumps(fake_result()))
     text = render_readme.render(_marked("vs_nanogpt", "docs/vs_nanogpt.json"), tmp_path)
-    assert "Ours at its best (batch 64, biases, fastest, other math" in text
+    assert "Ours at its best (batch 64, biases, plain + custom_op, other math" in text
     assert "| 64 | yes | plain | same (equal work) |" in text
 
 

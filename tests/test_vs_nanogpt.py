@@ -124,10 +124,10 @@ def test_ratios_pair_rounds_and_headlines_pick_each_side_at_its_best() -> None:
 def test_markdown_states_batch_biases_math_and_noise() -> None:
     result = vs.summarize(fake_result())
     text = vs.headline(result)
-    assert "Ours at its best (batch 64, biases, fastest, other math: bfloat16 residual" in text
+    assert "Ours at its best (batch 64, biases, plain + custom_op, other math: bfloat16" in text
     assert "**1.071x (1.069–1.071, 3 rounds)**" in text
     assert "fastest bench.py of the call (batch 64, no biases, bench.py's math: 495.0 K)" in text
-    assert "not equal work: biases on one side only; ours changes the math" in text
+    assert "not equal work: biases on ours only; ours changes the math" in text
     assert "Ours with bench.py's math (batch 64, biases, plain, bench.py's math" in text
     assert "2 rounds, within noise)" in text
     table = vs.equal_work_table(result)
@@ -144,7 +144,7 @@ def test_first_schema_json_renders_what_it_compared() -> None:
     assert result["headline_same_math"] is None and result["ratios"] == []
     text = vs.headline(result)
     assert "**1.103x (one run each: no interval)**" in text
-    assert "not equal work: batch 64 vs 32; biases on one side only; ours changes the math" in text
+    assert "not equal work: batch 64 vs 32; biases on ours only; ours changes the math" in text
     assert "Ours with bench.py's math: not measured. bench.py measured at batch 32." in text
 
 
