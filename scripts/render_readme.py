@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # vs_nanogpt, next to this file
+sys.path.append(str(Path(__file__).resolve().parent))  # vs_nanogpt.py, next to this file
 
 import vs_nanogpt  # noqa: E402
 

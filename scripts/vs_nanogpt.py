@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# ablate.py, next to this file, even when imported (last: it shadows no installed package).
+sys.path.append(str(ROOT / "scripts"))
 BLOCK = 1024  # tokens per sequence, both sides
 BENCH_MS = re.compile(r"^time per iteration: ([\d.]+)ms", re.MULTILINE)
 # Our configurations: a step of the speed ladder (its stages and overrides, accumulated).
@@ -130,10 +132,8 @@ def bench_configs(batches: list[int]) -> list[dict[str, Any]]:
 def ours_configs(batches: list[int], variants: list[str]) -> list[dict[str, Any]]:
     """train.py at each batch in each variant: the speed ladder's workload and its step's stages
     and overrides, then the batch and the short run."""
-    from omegaconf import OmegaConf
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from ablate import step_plans
+    from omegaconf import OmegaConf
 
     ladder = OmegaConf.load(ROOT / "conf/ablate/ladder/speed.yaml")
     plans = {plan["name"]: plan for plan in step_plans(ladder)}
@@ -422,7 +422,8 @@ def measure(args: argparse.Namespace) -> dict:
     """Runs every configuration once per round, `args.repeats` rounds, writing the results after
     every run; stops early rather than pass `args.deadline_s`."""
     sys.path.insert(0, str(ROOT))
-    from ablate import slug  # noqa: I001  (scripts/ is on the path: this file's folder)
+    from ablate import slug
+
     from recipe.provenance import device_name, environment
 
     if not (args.bench / "bench.py").exists():

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
 spec = importlib.util.spec_from_file_location("render_readme", ROOT / "scripts/render_readme.py")
 render_readme = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(render_readme)

@@ -15,7 +15,6 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
 spec = importlib.util.spec_from_file_location("vs_nanogpt", ROOT / "scripts/vs_nanogpt.py")
 vs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(vs)
