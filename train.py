@@ -298,8 +298,10 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     profiler.close()
 
     # ---- summary and samples
-    summary: dict[str, Any] = {"step": step, "stages": plan.stages, "completed": step == max_steps,
-                               "stopped_by": stop.signal}  # fmt: skip
+    summary: dict[str, Any] = {
+        "step": step, "stages": plan.stages, "completed": step == max_steps,
+        "stopped_by": stop.signal,  # SIGTERM or SIGINT: a sweep then stops (recipe/launch.py)
+    }  # fmt: skip
     if step_ms_measured:
         summary |= summarize(step_ms_measured, **perf_args) | memory_gib(dist.device)
     if step == max_steps and cfg.sample.num_samples:  # every rank samples: FSDP needs them all
