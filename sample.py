@@ -55,6 +55,7 @@ def sample(cfg: DictConfig) -> list[str]:
     """Prints `num_samples` continuations of the prompt (and appends them to `out`); returns
     them."""
     config.check_numbers(cfg, NUMBERS)
+    out = tools.output_file(cfg.out)  # checked before the model is read
     prompt = read_prompt(cfg)
     device = resolve_device(cfg.device)
     dtype = tools.dtype(cfg.dtype, device)
@@ -67,7 +68,6 @@ def sample(cfg: DictConfig) -> list[str]:
         autocast=tools.autocast(dtype, device), eager=not cfg.compile,
     )  # fmt: skip
     heading = f"{tools.source(cfg)} seed={cfg.seed} temperature={cfg.temperature} top_k={cfg.top_k}"
-    out = Path(cfg.out).expanduser() if cfg.out is not None else None
     generate.write_samples(out, prompt, texts, heading, prefix="")
     return texts
 

@@ -40,9 +40,11 @@ config.register_resolvers()  # ${launch:} names the run folder; --help shows con
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
-    train(cfg, Path(hydra_cfg.runtime.output_dir), overrides=list(hydra_cfg.overrides.task))
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    with rundir.removed_on_failure(run_dir):  # a failed launch leaves no empty run folder
+        return train(cfg, run_dir, overrides=list(hydra_cfg.overrides.task))
 
 
 def build_model(cfg: DictConfig) -> GPT:
@@ -296,7 +298,10 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     profiler.close()
 
     # ---- summary and samples
-    summary: dict[str, Any] = {"step": step, "stages": plan.stages, "completed": step == max_steps}
+    summary: dict[str, Any] = {
+        "step": step, "stages": plan.stages, "completed": step == max_steps,
+        "stopped_by": stop.signal,  # SIGTERM or SIGINT: a sweep then stops (recipe/launch.py)
+    }  # fmt: skip
     if step_ms_measured:
         summary |= summarize(step_ms_measured, **perf_args) | memory_gib(dist.device)
     if step == max_steps and cfg.sample.num_samples:  # every rank samples: FSDP needs them all
@@ -318,9 +323,9 @@ def closing_line(run_dir: Path, step: int, max_steps: int) -> str:
     state = "finished" if step == max_steps else "stopped"
     return (
         f"[train] {state} at step {step}/{max_steps}; run folder {run_dir}\n"
-        f"  continue: python train.py hydra.run.dir={run_dir} train.resume=true"
+        f"  continue: {rundir.resume_command(run_dir)}"
         f"{'' if step < max_steps else ' train.max_steps=<more>'}\n"
-        f"  sample:   python sample.py run={run_dir}"
+        f"  sample:   {rundir.command('python', 'sample.py', f'run={run_dir}')}"
     )
 
 

@@ -8,10 +8,12 @@ For each split (`train`, `val`) it writes
 plus `meta.json`, written last, which marks the folder complete and records what is in it: the
 counts, and each file's size and sha256, checked whenever the corpus is loaded (data.integrity).
 
-The folder is written under a temporary name (`<folder>.tmp-<host>-<pid>`) and renamed when
-complete, so a killed or concurrent preparation never leaves a half-written folder under the
-final name; a failed one removes its temporary folder, and the next preparation removes those
-of processes that died on this machine.
+The folder is written under a temporary name (`<folder>.tmp-<host>-<pid>-<random>`) and renamed
+when complete, so a killed or concurrent preparation never leaves a half-written folder under the
+final name; a failed one removes its temporary folder, and the next preparation on this machine
+removes those whose preparation died: a live one holds a lock (flock) on the `.preparing` file in
+its folder for its whole life, which a process id cannot do (a container sharing the cache and the
+host name has other processes under the same ids).
 
 The split is by position: the last `val_fraction` of the corpus's characters, in document
 order, is the validation split (the document where the cut falls is cut at a line break), so
@@ -21,12 +23,14 @@ a corpus of one file splits as well as one of millions of documents.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +44,7 @@ from data.config import check_config
 from data.integrity import check_file, file_record
 from data.sources import corpus_label, expand_files, load_documents, shakespeare_files
 from data.tokenizer import EOT, VOCAB_SIZE, gpt2_encoding
-from data.workers import hardened_forks, process_alive, sigterm_raises
+from data.workers import hardened_forks, sigterm_raises
 
 SPLITS = ("train", "val")
 SUFFIXES = ("bin", "txt")
@@ -49,6 +53,7 @@ FORMAT_VERSION = 2  # 2: meta.json records each file's size and sha256
 # This machine, in the temporary folders' names: a cache shared between machines (or containers)
 # must not take another one's live preparation for a dead process of its own.
 _HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+LOCK = ".preparing"  # in a temporary folder: locked by the live preparation that writes it
 
 
 def cache_folder(cfg: DictConfig) -> Path:
@@ -157,22 +162,76 @@ def _write_split(docs: datasets.Dataset, folder: Path, split: str, num_proc: int
     return {"tokens": total, "bytes": n_bytes, "documents": len(docs)}
 
 
-def _tmp_folder(folder: Path) -> Path:
-    return folder.with_name(f"{folder.name}.tmp-{_HOST}-{os.getpid()}")
+def _locked_tmp_folder(folder: Path) -> tuple[Path, IO]:
+    """A new temporary folder for `folder`, and its lock file, locked: the preparation keeps it
+    open until it ends, so that no other one takes the folder for a leftover."""
+    while True:
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            prefix = f"{folder.name}.tmp-{_HOST}-{os.getpid()}-"
+            tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
+            lock = open(tmp / LOCK, "a")  # noqa: SIM115 (held until the preparation ends)
+        except FileNotFoundError:
+            continue  # removed as stale between its creation and its lock: another try
+        except OSError as e:
+            raise RuntimeError(
+                f"could not create a folder in {folder.parent}: {e}: point data.cache_dir (env "
+                "GPT2_RECIPE_CACHE) at a writable folder"
+            ) from e
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.fstat(lock.fileno()).st_nlink:  # still there: no cleanup took it meanwhile
+            return tmp, lock
+        lock.close()
+
+
+def _remove_if_unlocked(tmp: Path) -> bool:
+    """Removes the temporary folder `tmp` unless a live preparation holds its lock."""
+    try:
+        lock = open(tmp / LOCK, "a")  # noqa: SIM115 (a folder without one: a leftover too)
+    except OSError:
+        return False  # gone meanwhile (published or removed), or not ours to touch
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its preparation is alive, whatever its process id says
+        shutil.rmtree(tmp, ignore_errors=True)
+        return True
 
 
 def remove_stale_tmp_folders(cache_dir: Path) -> list[Path]:
     """Removes the temporary folders that preparations which died on this machine left behind
-    (their process is gone: a SIGKILL, a crash). A live process's folder stays, as do those of
-    other machines sharing the cache. Returns the folders removed."""
-    stale = []
-    for tmp in cache_dir.glob(f"*.tmp-{_HOST}-*"):
-        pid = tmp.name.rsplit("-", 1)[1]
-        # Our own pid cannot be preparing anything else: a folder under it is a leftover.
-        if pid.isdigit() and (int(pid) == os.getpid() or not process_alive(int(pid))):
-            shutil.rmtree(tmp, ignore_errors=True)
-            stale.append(tmp)
-    return stale
+    (a SIGKILL, a crash): those whose lock no process holds. A live preparation's folder stays,
+    in whatever PID namespace it runs, as do those of other machines sharing the cache (their
+    locks may not be seen from here). Returns the folders removed."""
+    return [tmp for tmp in cache_dir.glob(f"*.tmp-{_HOST}-*") if _remove_if_unlocked(tmp)]
+
+
+_held_locks: set[IO] = set()  # the temporary folders' locks this process holds
+
+
+def _close_held_locks() -> None:
+    """In a forked process (a `datasets` worker): its copies of the locks are closed, so that a
+    lock ends with the preparation that took it, not with the last of its workers."""
+    for lock in _held_locks:
+        lock.close()
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_locks)
+
+
+@contextlib.contextmanager
+def _tmp_folder(folder: Path) -> Iterator[Path]:
+    """A new temporary folder for `folder`, locked for the block's life, removed if the block
+    fails or is interrupted."""
+    tmp, lock = _locked_tmp_folder(folder)
+    _held_locks.add(lock)
+    try:
+        with lock, _removed_on_failure(tmp):
+            yield tmp
+    finally:
+        _held_locks.discard(lock)
 
 
 @contextlib.contextmanager
@@ -186,7 +245,8 @@ def _removed_on_failure(tmp: Path) -> Iterator[None]:
 
 
 def _publish(tmp: Path, folder: Path) -> None:
-    """Renames the finished folder to its final name, atomically."""
+    """Renames the finished folder to its final name, atomically (then drops its lock file,
+    which the preparation still holds: until the rename, the folder must stay locked)."""
     try:
         tmp.rename(folder)
     except OSError as e:
@@ -195,6 +255,7 @@ def _publish(tmp: Path, folder: Path) -> None:
                 f"could not rename {tmp} to {folder}: {e}: delete {folder} and run again"
             ) from e
         shutil.rmtree(tmp, ignore_errors=True)  # another process prepared it first
+    (folder / LOCK).unlink(missing_ok=True)
 
 
 def prepare(cfg: DictConfig) -> Path | None:
@@ -213,18 +274,10 @@ def prepare(cfg: DictConfig) -> Path | None:
     )
     for stale in remove_stale_tmp_folders(folder.parent):
         print(f"[data] removed {stale}, left by a preparation that died", flush=True)
-    tmp = _tmp_folder(folder)
     # The processes `datasets` starts ignore the group's stop signals and die with this one;
     # a SIGTERM to this one ends it through the cleanup below.
-    with hardened_forks(), sigterm_raises(), _removed_on_failure(tmp):
+    with hardened_forks(), sigterm_raises(), _tmp_folder(folder) as tmp:
         splits = split_documents(load_documents(cfg, num_proc), cfg.val_fraction, corpus_label(cfg))
-        try:
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            raise RuntimeError(
-                f"could not create {tmp}: {e}: point data.cache_dir (env GPT2_RECIPE_CACHE) at "
-                "a writable folder"
-            ) from e
         counts = {split: _write_split(splits[split], tmp, split, num_proc) for split in SPLITS}
         files = {f"{s}.{x}": file_record(tmp / f"{s}.{x}") for s in SPLITS for x in SUFFIXES}
         meta = {

@@ -265,6 +265,7 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal: str | None = None  # the name of the signal that requested the stop
         self._first: float | None = None
         self._previous: dict[int, Any] = {}
 
@@ -276,7 +277,7 @@ class StopSignal:
             return  # SIGTERM again, or the same Ctrl-C forwarded by torchrun
         self._first = now
         self.requested = True
-        name = signal.Signals(signum).name
+        name = self.signal = signal.Signals(signum).name
         print(f"\n[train] {name}: saving a checkpoint after this step, then exiting", flush=True)
 
     def __enter__(self) -> StopSignal:

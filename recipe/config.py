@@ -174,9 +174,10 @@ def resolved(cfg: DictConfig, model_config: Any) -> dict[str, Any]:
 
 
 def save(run_dir: Path, resolved_cfg: dict[str, Any], overrides: list[str]) -> None:
-    """Writes `config.yaml` (what ran) and `overrides.yaml` (the command line that built it)."""
-    OmegaConf.save(OmegaConf.create(resolved_cfg), run_dir / CONFIG_FILE)
-    OmegaConf.save(OmegaConf.create(overrides), run_dir / OVERRIDES_FILE)
+    """Writes `config.yaml` (what ran) and `overrides.yaml` (the command line that built it),
+    each replaced whole by a rename (a symbolic link there is replaced, never followed)."""
+    for name, value in ((CONFIG_FILE, resolved_cfg), (OVERRIDES_FILE, overrides)):
+        rundir.write_atomically(run_dir / name, OmegaConf.to_yaml(OmegaConf.create(value)))
 
 
 def compose(overrides: list[str]) -> DictConfig:

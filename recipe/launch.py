@@ -8,16 +8,70 @@ reported its checkpoint saved, and 1 otherwise. Everything else is torchrun's.
 
 Give the trainers time to finish their step and save: `--shutdown-timeout` (seconds; torchrun's
 default is 30) before torchrun kills them.
+
+A sweep (`python train.py -m ...`) stops as a whole in the same way: `SweepStop`, a Hydra
+callback (conf/config.yaml's hydra.callbacks), lets the job that was signalled save its
+checkpoint and return, then ends the process before the next job starts, with 128 + the
+signal's number (a sweep cut short did not succeed) and a line saying where it stopped.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from recipe.rundir import resume_command
 
 STOP_MARKS = "GPT2_RECIPE_STOP_MARKS"  # where each trainer marks "checkpoint saved on a stop"
+
+
+class SweepStop(Callback):
+    """Ends a sweep after a job that a stop signal (SIGTERM, Ctrl-C) ended early: without it,
+    Hydra would start the remaining jobs, and a preempted sweep would run to its end and exit 0.
+    The job reports the signal in its summary (`stopped_by`); single runs are left alone."""
+
+    def __init__(self) -> None:
+        self.jobs: int | None = None  # set for a sweep only
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.jobs = sweep_size(config)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if self.jobs is None or job_return.status != JobStatus.COMPLETED:
+            return
+        summary = job_return.return_value
+        name = summary.get("stopped_by") if isinstance(summary, dict) else None
+        if name is None:
+            return
+        job, run_dir = config.hydra.job.num, Path(config.hydra.runtime.output_dir)
+        left = self.jobs - job - 1
+        print(
+            f"[train] sweep stopped by {name} after job {job} of {self.jobs}; its checkpoint is "
+            f"saved (continue it: {resume_command(run_dir)})"
+            + (f"; the {left} later job(s) did not start" if left else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(128 + signal.Signals[name])  # not an Exception: Hydra lets it through
+
+
+def sweep_size(config: DictConfig) -> int:
+    """How many jobs Hydra's basic sweeper makes of the sweep's command line."""
+    params = config.hydra.sweeper.get("params") or {}
+    arguments = [f"{key}={value}" for key, value in params.items()]
+    overrides = OverridesParser.create().parse_overrides([*arguments, *config.hydra.overrides.task])
+    (jobs,) = BasicSweeper.split_arguments(overrides, max_batch_size=None)
+    return len(jobs)
 
 
 def mark_saved_on_stop(rank: int) -> None:

@@ -5,22 +5,91 @@
   so runs started in the same second get different folders and the ranks of one launch agree.
 - A folder that already holds a run is refused unless `train.resume=true`, and one run at a time
   holds it (a lock), so two runs can never interleave their metrics or checkpoints.
+- A folder holds a run when it has a checkpoint, a summary or logged metrics: a launch that failed
+  before logging anything leaves none, and its folder is removed (or, if it was not empty when
+  the launch began, reused by the next launch).
+- The trainer's files in it are never symbolic links (one planted there would have the run write
+  elsewhere): the lock is opened without following one, the others are refused, and rewritten
+  files are replaced by a rename.
 - On resume, `metrics.jsonl` is cut back to the checkpoint's step (a crash after the checkpoint
-  logged steps that will run again).
+  logged steps that will run again); a line torn by a kill at its end is dropped, any other bad
+  line is refused naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import shlex
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from recipe.checkpoint import FILENAME, SHARDED
 
-RUN_FILES = (FILENAME, SHARDED, "metrics.jsonl", "summary.json")  # a folder with one holds a run
+METRICS, SUMMARY, LOCK = "metrics.jsonl", "summary.json", ".lock"
+# Every file the trainer writes in a run folder (config.yaml and overrides.yaml: recipe/config.py's
+# CONFIG_FILE and OVERRIDES_FILE; samples.txt: train.py's), none of which may be a symbolic link.
+OWN_FILES = (LOCK, "config.yaml", "overrides.yaml", METRICS, SUMMARY, "samples.txt", FILENAME,
+             SHARDED)  # fmt: skip
+_held: set[Path] = set()  # the run folders whose lock this process took (RunFolder)
+
+
+def run_files(path: Path) -> list[str]:
+    """What makes `path` a run's folder: its checkpoint, its summary, its logged metrics. A folder
+    with none of them (only a config, an empty metrics.jsonl) holds no run."""
+    found = [name for name in (FILENAME, SHARDED, SUMMARY) if (path / name).exists()]
+    metrics = path / METRICS
+    if metrics.is_file() and metrics.read_bytes().strip():
+        found.append(METRICS)
+    return found
+
+
+def _has_checkpoint(path: Path) -> bool:
+    return (path / FILENAME).exists() or (path / SHARDED).is_dir()
+
+
+def command(*words: str) -> str:
+    """A command line to print, each word quoted for the shell (a folder with a space)."""
+    return shlex.join(words)
+
+
+def resume_command(path: Path) -> str:
+    return command("python", "train.py", f"hydra.run.dir={path}", "train.resume=true")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Writes `text` to `path` through a new temporary file renamed over it: a kill leaves the old
+    or the new file whole, and a symbolic link at `path` is replaced, never followed."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # a killed write's leftover (a link there: removed, not followed)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def removed_on_failure(path: Path) -> Iterator[None]:
+    """Removes the run folder `path` if the launch fails leaving no run in it (`run_files`) and it
+    was empty when the launch began (Hydra made it for this launch): no empty folders under
+    outputs/. Only rank 0 (env RANK) removes it, and only if no other process holds it (a second
+    launch into the same new folder, refused by its lock, leaves the first one's alone)."""
+    fresh = os.environ.get("RANK", "0") == "0" and path.is_dir() and not any(path.iterdir())
+    try:
+        yield
+    except BaseException:
+        ours = path.resolve() in _held or not (path / LOCK).exists()
+        if fresh and ours and not run_files(path):
+            shutil.rmtree(path, ignore_errors=True)
+        raise
 
 
 def _start_time(pid: int) -> float | None:
@@ -50,35 +119,97 @@ class RunFolder:
     def __init__(self, path: Path, resume: bool) -> None:
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
-        self._lock = open(path / ".lock", "w")  # noqa: SIM115 (held until the process ends)
+        self._lock = _open_lock(path / LOCK)  # held (open) until the process ends
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RuntimeError(
                 f"another run is using {path} right now: give this one its own hydra.run.dir"
             ) from None
-        existing = [name for name in RUN_FILES if (path / name).exists()]
+        _held.add(path.resolve())
+        _refuse_links(path)
+        existing = run_files(path)
         if existing and not resume:
+            if not _has_checkpoint(path):
+                raise FileExistsError(
+                    f"{path} holds a run that saved no checkpoint ({', '.join(existing)}), so "
+                    "it cannot be continued: move or delete that folder to start again in it, "
+                    "or pick another hydra.run.dir"
+                )
             raise FileExistsError(
                 f"{path} already holds a run ({', '.join(existing)}): continue it with "
-                f"`python train.py hydra.run.dir={path} train.resume=true`, or pick another "
-                "hydra.run.dir (the default is a new folder per launch)"
+                f"`{resume_command(path)}`, or pick another hydra.run.dir (the default is a new "
+                "folder per launch)"
             )
+        if resume and not _has_checkpoint(path):
+            raise FileNotFoundError(
+                f"train.resume=true, but {path} holds no checkpoint: its run stopped before "
+                "saving one, so there is nothing to continue; "
+                + ("move or delete that folder to start again in it" if existing
+                   else "drop train.resume to start the run again in it")
+            )  # fmt: skip
 
     def cut_metrics(self, step: int) -> list[dict[str, Any]]:
         """Keeps the metrics logged up to `step` (and drops a torn last line); returns them."""
-        path = self.path / "metrics.jsonl"
+        path = self.path / METRICS
         if not path.exists():
             return []
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill
-            if row.get("step", 0) <= step:
-                rows.append(row)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        os.replace(tmp, path)
+        rows = [row for row in read_metrics(path) if row["step"] <= step]
+        write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
         return rows
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl. Its last line may be torn by a kill (a JSON object cut
+    short): dropped. Any other line that is not a row (a JSON object with an integer step) is
+    refused naming the file and the line: dropping it silently would lose what it logged."""
+    lines = path.read_bytes().splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            if number == len(lines) and line.lstrip().startswith(b"{"):
+                break  # torn by a kill while it was written
+            raise ValueError(_bad_line(path, number, f"not JSON text ({e})")) from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(_bad_line(path, number, f"not a row with a step ({line[:40]!r})"))
+        rows.append(row)
+    return rows
+
+
+def _bad_line(path: Path, number: int, problem: str) -> str:
+    return (
+        f"{path}, line {number}: {problem}; each line must be one JSON object with its step: "
+        "repair or delete that line, then run again"
+    )
+
+
+def _open_lock(path: Path) -> Any:
+    """The run folder's lock file, opened without following a symbolic link (one planted there
+    would have the run truncate or lock its target)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if path.is_symlink():
+            raise RuntimeError(_link_message(path)) from None
+        raise RuntimeError(
+            f"cannot open {path} ({e}): give the run a writable hydra.run.dir"
+        ) from e
+    return os.fdopen(fd, "w")
+
+
+def _refuse_links(folder: Path) -> None:
+    """Refuses a run folder where one of the trainer's files is a symbolic link."""
+    for name in OWN_FILES:
+        if (folder / name).is_symlink():
+            raise RuntimeError(_link_message(folder / name))
+
+
+def _link_message(path: Path) -> str:
+    return (
+        f"{path} is a symbolic link (to {os.readlink(path)}): the trainer writes its own files in "
+        "a run folder, never through a link; remove it, or give the run a new hydra.run.dir"
+    )

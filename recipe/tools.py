@@ -5,6 +5,7 @@ they run in; and bad input reported in one line instead of a traceback."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,23 @@ def run_dir(run: str | None) -> Path:
             f"run={run}: no such folder; give the folder of a training run (its hydra.run.dir, "
             "by default outputs/<date>/<time>-<pid>)"
         )
+    return path
+
+
+def output_file(out: str | None) -> Path | None:
+    """`out=`: a file to write, checked before the work that fills it: not a folder, in a folder
+    that exists, and writable."""
+    if out is None:
+        return None
+    path = Path(str(out)).expanduser()
+    if path.is_dir():
+        raise IsADirectoryError(f"out={out} is a folder: give the path of a file to write")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(
+            f"out={out}: there is no folder {path.parent}: create it, or give another path"
+        )
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise PermissionError(f"out={out}: not writable by this user: give another path")
     return path
 
 

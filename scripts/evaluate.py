@@ -76,6 +76,7 @@ def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
     )  # fmt: skip
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ValueError("evaluate.py runs as one process: start it with python, not torchrun")
+    out = tools.output_file(cfg.out)  # checked before the evaluation
     model, saved = tools.load_model(cfg, distributed.resolve_device(cfg.device))
     run_cfg = run_config(cfg, saved, model)
 
@@ -102,8 +103,8 @@ def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
         f"[evaluate] val/loss {loss:.4f} | perplexity {math.exp(loss):.2f} | {sequences} windows "
         f"of {block} tokens of {run_cfg.data.name} | stages {'+'.join(plan.stages) or 'none'}"
     )
-    if cfg.out is not None:
-        Path(cfg.out).expanduser().write_text(json.dumps(result, indent=2) + "\n")
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -14,6 +14,7 @@ vocab.json + merges.txt. By default the written folder is loaded back and its lo
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ from omegaconf import DictConfig  # noqa: E402
 from data.tokenizer import VOCAB_SIZE, gpt2_encoding, verify_vocab, vocab_dir  # noqa: E402
 from model import GPT  # noqa: E402
 from model.gpt import HF_TRANSPOSED  # noqa: E402
-from recipe import checkpoint, config, tools  # noqa: E402
+from recipe import checkpoint, config, rundir, tools  # noqa: E402
 
 config.register_resolvers()  # --help: conf/export_hf.yaml with its comments
 
@@ -40,18 +41,23 @@ def main(cfg: DictConfig) -> None:
     tools.one_line_errors("export_hf.py", export_run, cfg)
 
 
-def output_folder(out: str | None) -> Path:
-    """`out=`: a new or empty folder, or an earlier export (a folder with a config.json)."""
+MARK = "gpt2_recipe_export.json"  # written into every export: an earlier one may be replaced
+
+
+def output_folder(out: str | None, force: bool) -> Path:
+    """`out=`, checked before any work: a new or empty folder, or an earlier export of ours (it
+    holds MARK); another folder's files are replaced only with `force=true`."""
     if out is None:
         raise ValueError("out=<folder> is missing: where to write the Hugging Face folder")
     path = Path(str(out)).expanduser()
-    if path.is_file() or (
-        path.is_dir() and any(path.iterdir()) and not (path / "config.json").is_file()
-    ):
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"out={path} is a file: give a new or empty folder")
+    foreign = path.is_dir() and any(path.iterdir()) and not (path / MARK).is_file()
+    if foreign and not force:
         raise FileExistsError(
-            f"out={path} holds files that are not an export: give a new or empty folder"
+            f"out={path} holds files that are not an export of this recipe (it has no {MARK}): "
+            "give a new or empty folder, or add force=true to overwrite them"
         )
-    path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -129,17 +135,21 @@ def export_run(cfg: DictConfig) -> Path:
     transformers_logging.disable_progress_bar()  # one line per export, no bars
     if cfg.run is None:
         raise ValueError("run=<folder> is missing: the training run to export")
-    model, _ = checkpoint.load_model(tools.run_dir(cfg.run), "cpu")
-    out = output_folder(cfg.out)
-    to_transformers(model).save_pretrained(out)
+    out = output_folder(cfg.out, cfg.force)
+    run_dir = tools.run_dir(cfg.run)
+    model, _ = checkpoint.load_model(run_dir, "cpu")
+    hf = to_transformers(model)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARK).write_text(json.dumps({"run": str(run_dir.resolve())}) + "\n")  # ours from now
+    hf.save_pretrained(out)
     write_tokenizer(out)
     c = model.config
     checked = f"; logits equal ours within {check_logits(model, out):.1e}" if cfg.check else ""
     print(
         f"[export] {out}: GPT2LMHeadModel, {c.n_layer} layers x {c.n_embd}, {c.n_head} heads, "
         f"{c.block_size} positions, {c.vocab_size} tokens{checked}\n"
-        f"  sample:    python sample.py model.pretrained={out}\n"
-        f"  fine-tune: python train.py model.pretrained={out}"
+        f"  sample:    {rundir.command('python', 'sample.py', f'model.pretrained={out}')}\n"
+        f"  fine-tune: {rundir.command('python', 'train.py', f'model.pretrained={out}')}"
     )
     return out
 

@@ -254,18 +254,22 @@ def test_stale_folders_of_dead_preparations_are_removed(tmp_path) -> None:
     cache.mkdir()
     dead = subprocess.run([python(), "-c", "import os; print(os.getpid())"], capture_output=True)
     dead_pid = int(dead.stdout)
-    alive = subprocess.Popen([python(), "-c", "import time; time.sleep(60)"])
     host = preparation._HOST
+    names = {
+        "dead": f"text-0123456789.tmp-{host}-{dead_pid}",
+        "alive": f"shakespeare-0123456789.tmp-{host}-{dead_pid}-x",  # its lock is held
+        "ours": f"text-0123456789.tmp-{host}-{os.getpid()}",
+        "other machine": f"text-0123456789.tmp-elsewhere-{dead_pid}",
+    }
+    for name in names.values():
+        (cache / name).mkdir()
+        (cache / name / "train.bin").write_bytes(b"partial")
+    lock = cache / names["alive"] / preparation.LOCK
+    hold = f"import fcntl, time; f = open({str(lock)!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+    alive = subprocess.Popen([python(), "-c", hold + "print(1, flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE)  # fmt: skip
     try:
-        names = {
-            "dead": f"text-0123456789.tmp-{host}-{dead_pid}",
-            "alive": f"shakespeare-0123456789.tmp-{host}-{alive.pid}",
-            "ours": f"text-0123456789.tmp-{host}-{os.getpid()}",
-            "other machine": f"text-0123456789.tmp-elsewhere-{dead_pid}",
-        }
-        for name in names.values():
-            (cache / name).mkdir()
-            (cache / name / "train.bin").write_bytes(b"partial")
+        assert alive.stdout.readline()  # the lock is taken
         removed = remove_stale_tmp_folders(cache)
         assert sorted(p.name for p in removed) == sorted([names["dead"], names["ours"]])
         assert _leftovers(cache) == sorted([names["alive"], names["other machine"]])
@@ -409,7 +413,7 @@ def test_killing_a_preparation_leaves_no_process_behind(tmp_path) -> None:
         assert _wait(lambda: _dead(workers), timeout=2), {w: _state(w) for w in workers}
         # Its folder outlives it, until the next preparation on this machine removes it.
         (stale,) = _leftovers(tmp_path / "cache")
-        assert stale.endswith(f".tmp-{preparation._HOST}-{proc.pid}")
+        assert f".tmp-{preparation._HOST}-{proc.pid}-" in stale
         assert [p.name for p in remove_stale_tmp_folders(tmp_path / "cache")] == [stale]
     finally:
         _kill(workers)
