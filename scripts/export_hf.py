@@ -129,7 +129,7 @@ def export_run(cfg: DictConfig) -> Path:
     transformers_logging.disable_progress_bar()  # one line per export, no bars
     if cfg.run is None:
         raise ValueError("run=<folder> is missing: the training run to export")
-    model, _ = checkpoint.load_model(tools.run_dir(cfg.run), "cpu")
+    model, _ = checkpoint.load_model(tools.run_dir(cfg.run), "cpu", verify=cfg.verify)
     out = output_folder(cfg.out)
     to_transformers(model).save_pretrained(out)
     write_tokenizer(out)
