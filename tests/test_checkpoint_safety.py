@@ -79,7 +79,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 
 
 def _step_folder(run: Path) -> Path:
-    return checkpoint._latest_folder(run / checkpoint.SHARDED)
+    return run / "checkpoint.dcp" / (run / "checkpoint.dcp" / "LATEST").read_text()
 
 
 def _tool_cfg(name: str, *overrides: str):
@@ -126,7 +126,7 @@ def test_a_crafted_dcp_metadata_is_refused_everywhere_and_runs_no_code(runs, tmp
     run, marker = _copy(runs["sharded"], tmp_path), tmp_path / "pwned"
     folder = _step_folder(run)
     (folder / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    (folder / checkpoint.CHECKSUMS).unlink()  # as an attacker would (no checksums: unchecked)
+    (folder / "sha256.json").unlink(missing_ok=True)  # an attacker would: then unchecked
     refusal = (
         f"{folder}/.metadata is not a checkpoint this recipe wrote (it would load the class "
         "builtins.exec): refusing to read it"
@@ -326,6 +326,6 @@ def test_a_save_killed_between_its_renames_leaves_an_accepted_checkpoint(
 
 
 def test_tied_weights_are_saved_once_in_shards(runs) -> None:
-    metadata = checkpoint.read_metadata(_step_folder(runs["sharded"]) / ".metadata")
+    metadata = dcp.FileSystemReader(_step_folder(runs["sharded"])).read_metadata()
     names = set(metadata.state_dict_metadata)
     assert "model.transformer.wte.weight" in names and "model.lm_head.weight" not in names
