@@ -88,8 +88,10 @@ def _rng_state() -> dict[str, Any]:
 
 def _remove_stale_temporaries(folder: Path) -> None:
     """Deletes `*.tmp-<pid>` files left by processes that were killed while saving."""
-    # `*.pt.tmp-<pid>`: write_atomically's; `checkpoint.tmp-<pid>`: earlier versions' name.
-    for tmp in [*folder.glob("*.pt.tmp-*"), *folder.glob(f"{Path(FILENAME).stem}.tmp-*")]:
+    # `*.pt.tmp-<pid>`: write_atomically's; `*.json.tmp-<pid>`: its checksums';
+    # `checkpoint.tmp-<pid>`: earlier versions' name.
+    patterns = ("*.pt.tmp-*", "*.json.tmp-*", f"{Path(FILENAME).stem}.tmp-*")
+    for tmp in [path for pattern in patterns for path in folder.glob(pattern)]:
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _alive(int(pid)):
             tmp.unlink(missing_ok=True)
@@ -179,9 +181,12 @@ def _listed(sums: Path) -> dict[str, list[dict[str, Any]]]:
         return {}
     try:
         listed = json.loads(sums.read_text())
-        assert all(_plain_name(k) and isinstance(v, list) for k, v in listed.items())
-    except (ValueError, AttributeError, AssertionError) as e:  # not JSON, or not a mapping
-        raise _damaged(sums, f"it is not a checksum file this recipe wrote: {e!r}") from None
+    except ValueError as e:  # not JSON (a UnicodeDecodeError is one too)
+        raise _damaged(sums, f"it is not JSON: {e}") from None
+    if not isinstance(listed, dict) or not all(
+        _plain_name(name) and isinstance(records, list) for name, records in listed.items()
+    ):
+        raise _damaged(sums, "it is not a checksum file this recipe wrote")
     return listed
 
 
