@@ -73,7 +73,7 @@ def autocast(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractCon
     return torch.autocast(device.type, dtype=dtype)
 
 
-def one_line_errors(name: str, task: Callable[[Any], Any], cfg: DictConfig | Any) -> Any:
+def one_line_errors(name: str, task: Callable[[Any], Any], cfg: Any) -> Any:
     """Runs `task(cfg)`; a bad setting, a missing file or an unreadable model ends the program
     with one line naming it (exit status 1), not a traceback."""
     try:
