@@ -54,8 +54,18 @@ def check_file(path: Path, record: dict, fix: str, *, full: bool = False) -> Non
         raise RuntimeError(
             f"{path} is corrupt: {size} bytes where meta.json says {record['bytes']}: {fix}"
         )
-    whole = full or size <= FULL_CHECK_BYTES
-    key = "sha256" if whole else "sampled_sha256"
-    if _sha256(path, size, sampled=not whole) != record[key]:
+    if not matches(path, record, full=full):
+        whole = full or size <= FULL_CHECK_BYTES
         what = "its content differs" if whole else f"{SAMPLE_BLOCKS} sampled blocks differ"
         raise RuntimeError(f"{path} is corrupt: {what} from what meta.json records: {fix}")
+
+
+def matches(path: Path, record: dict, *, full: bool = False) -> bool:
+    """Whether `path` has the size and hash of its `record` (file_record's): whole-file hash up
+    to FULL_CHECK_BYTES (or with `full`), sampled blocks above."""
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return False
+    whole = full or size <= FULL_CHECK_BYTES
+    key = "sha256" if whole else "sampled_sha256"
+    return _sha256(path, size, sampled=not whole) == record[key]

@@ -9,6 +9,15 @@ Two layouts, one interface (`save`, `read`, `restore`, `load_model`):
   DCP reshards on load, so a run resumes on another number of processes, or in one process
   without FSDP; `scripts/consolidate_checkpoint.py` turns it into one `checkpoint.pt`.
 Both are replaced atomically: a save killed midway leaves the previous checkpoint readable.
+One layout at a time: a save that writes one removes the other once it is complete; the reader
+chooses by the step each records (never by file times) and refuses two of different steps.
+
+Read safely, whoever wrote the folder: `checkpoint.pt` and `meta.pt` through `weights_only`, the
+DCP `.metadata` pickle through an unpickler that knows only the classes DCP's `Metadata` holds,
+DCP's non-tensor values as plain data, and `LATEST` only naming a `step-<N>` folder beside it.
+Each file's sha256 is saved with it (`checkpoint.pt.sha256.json`; `sha256.json` in a DCP step
+folder: {file name: [data/integrity.py's record, ...]}) and checked on every read; a checkpoint
+written before that has none and is read unchecked.
 
 Besides the weights: the AMP grad scaler, the step, the data position (samples consumed, so a
 resume with another batch or GPU count continues the same data stream), every rank's RNG states,
@@ -19,7 +28,10 @@ model's real shape (`model_config`, also for a pretrained start), the stages, th
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import pickle
+import re
 import shutil
 import signal
 import time
@@ -28,18 +40,30 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    _EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
-from recipe.distributed import Distributed
+from data import integrity
+from recipe.distributed import Distributed, log
 
 FILENAME = "checkpoint.pt"
-SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt) and LATEST
+SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256.json) and LATEST
 META = "meta.pt"
+CHECKSUMS = "sha256.json"  # in a step folder: {file name: [record]} of every file in it
+STEP_FOLDER = re.compile(r"step-\d+")  # what LATEST may name
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -64,8 +88,10 @@ def _rng_state() -> dict[str, Any]:
 
 def _remove_stale_temporaries(folder: Path) -> None:
     """Deletes `*.tmp-<pid>` files left by processes that were killed while saving."""
-    # `*.pt.tmp-<pid>`: write_atomically's; `checkpoint.tmp-<pid>`: earlier versions' name.
-    for tmp in [*folder.glob("*.pt.tmp-*"), *folder.glob(f"{Path(FILENAME).stem}.tmp-*")]:
+    # `*.pt.tmp-<pid>`: write_atomically's; `*.json.tmp-<pid>`: its checksums';
+    # `checkpoint.tmp-<pid>`: earlier versions' name.
+    patterns = ("*.pt.tmp-*", "*.json.tmp-*", f"{Path(FILENAME).stem}.tmp-*")
+    for tmp in [path for pattern in patterns for path in folder.glob(pattern)]:
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _alive(int(pid)):
             tmp.unlink(missing_ok=True)
@@ -81,9 +107,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def write_atomically(path: Path, state: Any) -> None:
+def write_atomically(path: Path, state: Any, *, checksum: bool = False) -> None:
     """torch.save to `path` through a temporary file renamed over it (atomic on POSIX); on a
-    failure the error names the cause and the free space, and `path` is left as it was."""
+    failure the error names the cause and the free space, and `path` is left as it was. With
+    `checksum`, its sha256 is saved beside it (`checksums_of(path)`)."""
     _remove_stale_temporaries(path.parent)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
@@ -91,7 +118,10 @@ def write_atomically(path: Path, state: Any) -> None:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if checksum:
+            _replace_with_checksum(tmp, path)
+        else:
+            os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         free = shutil.disk_usage(path.parent).free / 1e9
         raise RuntimeError(
@@ -100,6 +130,219 @@ def write_atomically(path: Path, state: Any) -> None:
         ) from e
     finally:
         tmp.unlink(missing_ok=True)
+
+
+# ---- integrity: each checkpoint file's sha256, saved with it, checked on every read
+
+
+def checksums_of(path: Path) -> Path:
+    """The checksum file of a single-file checkpoint: `checkpoint.pt.sha256.json`."""
+    return path.with_name(f"{path.name}.sha256.json")
+
+
+def _write_json_atomically(path: Path, content: Any) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(content, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _replace_with_checksum(tmp: Path, path: Path) -> None:
+    """Renames `tmp` over `path` and records its checksum. Two renames cannot be one, so until
+    the file's is done the checksums accept the old file's record too: a kill at any moment
+    leaves a file that its checksums accept."""
+    sums, new = checksums_of(path), integrity.file_record(tmp)
+    old = []
+    if path.exists():
+        old = _listed(sums).get(path.name, [])[:1] or [integrity.file_record(path)]
+    _write_json_atomically(sums, {path.name: [new, *old]})
+    os.replace(tmp, path)
+    _write_json_atomically(sums, {path.name: [new]})
+
+
+def _record_folder(folder: Path) -> None:
+    """Writes `sha256.json` in a DCP step folder: the checksum of every file in it."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != CHECKSUMS)
+    _write_json_atomically(
+        folder / CHECKSUMS, {name: [integrity.file_record(folder / name)] for name in names}
+    )
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name with no folder in it: what a checkpoint's own files are called."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not {"/", "\\"} & set(name)
+
+
+def _listed(sums: Path) -> dict[str, list[dict[str, Any]]]:
+    """A checksum file's {file name: [records]} ({} if there is none); refused if malformed."""
+    if not sums.is_file():
+        return {}
+    try:
+        listed = json.loads(sums.read_text())
+    except ValueError as e:  # not JSON (a UnicodeDecodeError is one too)
+        raise _damaged(sums, f"it is not JSON: {e}") from None
+    if not isinstance(listed, dict) or not all(
+        _plain_name(name) and isinstance(records, list) for name, records in listed.items()
+    ):
+        raise _damaged(sums, "it is not a checksum file this recipe wrote")
+    return listed
+
+
+def _damaged(path: Path, why: str) -> RuntimeError:
+    return RuntimeError(
+        f"{path} is damaged ({why}): the checkpoint cannot be used; copy the run folder again "
+        "if it came from elsewhere, else resume from a backup or start a new run folder"
+    )
+
+
+def check_checksums(sums: Path, *, full: bool = False) -> None:
+    """Refuses a checkpoint file that differs from each record `sums` lists for it, naming the
+    file. Files up to 512 MiB are hashed whole, larger ones by sampled blocks unless `full`
+    (data/integrity.py). No `sums`: a checkpoint from before checksums, read unchecked."""
+    for name, records in _listed(sums).items():
+        path = sums.parent / name
+        if not path.is_file():
+            raise _damaged(path, f"it is missing, and {sums.name} lists it")
+        try:
+            ok = any(integrity.matches(path, record, full=full) for record in records)
+        except (KeyError, TypeError):  # a record without its fields
+            raise _damaged(sums, f"its record of {name} is malformed") from None
+        if not ok:
+            raise _damaged(path, "its sha256 differs from the one saved with it")
+
+
+# ---- DCP's files, read without running anything they could ask for
+
+# Every class a DCP `Metadata` pickle refers to (torch/distributed/checkpoint/metadata.py and
+# filesystem.py), and torch's dtypes: a `.metadata` that names anything else is refused.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # torch.strided, pickled by its name
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # checkpoint_id
+    "pathlib._local": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}  # fmt: skip
+
+
+class _ForeignClass(Exception):
+    """A pickle asked for a class that DCP's metadata never holds."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if not dtype and name not in _METADATA_CLASSES.get(module, ()):
+            raise _ForeignClass(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def read_metadata(path: Path) -> Metadata:
+    """A DCP `.metadata` file, refused in one line unless it holds only DCP's metadata: DCP's
+    own reader is a plain pickle.load, which runs whatever a crafted file asks for."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _ForeignClass as e:
+        raise RuntimeError(
+            f"{path} is not a checkpoint this recipe wrote (it would load the class {e}): "
+            "refusing to read it"
+        ) from None
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 (any failure of a damaged pickle)
+        raise _damaged(path, f"it cannot be unpickled: {e!r}") from None
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(metadata, Metadata) or not isinstance(storage, dict):
+        raise RuntimeError(f"{path} holds no DCP metadata: refusing to read it")
+    for info in storage.values():  # shards are files beside it, not paths elsewhere
+        if not isinstance(info, _StorageInfo) or not _plain_name(info.relative_path):
+            raise RuntimeError(
+                f"{path} points outside its folder ({getattr(info, 'relative_path', info)!r}): "
+                "refusing to read it"
+            )
+    return metadata
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader, with its metadata read by `read_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
+        return metadata
+
+
+class _PlainValues:
+    """A DCP load planner whose non-tensor values (the optimizer's settings) are unpickled as
+    plain data only: DCP's own planners use torch.load(weights_only=False) for them."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        try:
+            torch.load(value, weights_only=True)  # raises on anything but plain data
+        except pickle.UnpicklingError as e:
+            first = str(e).strip().splitlines()[-1]
+            raise RuntimeError(
+                f"its value {read_item.dest_index.fqn} is not plain data ({first}): refusing "
+                "to read it"
+            ) from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+class _Planner(_PlainValues, DefaultLoadPlanner):
+    pass
+
+
+class _WholePlanner(_PlainValues, _EmptyStateDictLoadPlanner):
+    """Loads everything the checkpoint holds, unsharded (as torch's dcp_to_torch_save)."""
+
+
+def _dcp_load(states: dict[str, Any], folder: Path, *, whole: bool = False, **kwargs: Any) -> None:
+    """DCP's load of `states` from `folder` in place (everything in it, `whole`), through the
+    reader and planners above; a failure is one line naming the folder."""
+    reader = _Reader(folder)
+    try:
+        if whole:  # no public API fills an empty dict: the one dcp_to_torch_save uses
+            _load_state_dict(states, storage_reader=reader, planner=_WholePlanner(), no_dist=True)
+        else:
+            dcp.load(states, storage_reader=reader, planner=_Planner(), **kwargs)
+    except CheckpointException as e:  # a BaseException, wrapping each rank's failure
+        failure = next(iter(e.failures.values()), None)
+        cause = failure[0] if isinstance(failure, tuple) else e
+        raise RuntimeError(f"cannot read the checkpoint in {folder}: {cause}") from None
+
+
+def _tied(model: torch.nn.Module) -> dict[str, str]:
+    """Parameters that are another one (GPT's lm_head.weight is transformer.wte.weight):
+    {name: the name it is saved under}. DCP would write each name's copy; one is saved."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            tied[name] = first[id(param)]
+    return tied
+
+
+def _load_sharded(
+    folder: Path, model: torch.nn.Module, states: dict[str, Any], **kwargs: Any
+) -> dict[str, Any]:
+    """Fills `states` ({"model": its state dict, ...}) from the DCP checkpoint in `folder`, the
+    tied parameters read once and tied again; returns `states`."""
+    tied = {k: v for k, v in _tied(model).items() if k in states["model"]}
+    states["model"] = {k: v for k, v in states["model"].items() if k not in tied}
+    _dcp_load(states, folder, **kwargs)
+    for name, saved_as in tied.items():
+        states["model"][name] = states["model"][saved_as]
+    return states
 
 
 def save(
@@ -131,9 +374,31 @@ def save(
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
         path = run_dir / FILENAME
         if dist.is_main:
-            write_atomically(path, {"model": model_state, "optimizer": optim_state, **meta})
+            state = {"model": model_state, "optimizer": optim_state, **meta}
+            write_atomically(path, state, checksum=True)
     dist.barrier()
+    if dist.is_main:
+        _remove_other_layout(run_dir, path)
     return path
+
+
+def _remove_other_layout(run_dir: Path, written: Path) -> None:
+    """Once a checkpoint is complete, the other layout's (left by the run before it added or
+    dropped FSDP) goes, so that the folder holds one checkpoint."""
+    if written.name == FILENAME:
+        stale = run_dir / SHARDED
+        if not stale.exists():
+            return
+        (stale / "LATEST").unlink(missing_ok=True)  # first: a half-removed folder is no checkpoint
+        shutil.rmtree(stale)
+    else:
+        stale = run_dir / FILENAME
+        if not stale.exists():
+            return
+        stale.unlink()
+        checksums_of(stale).unlink(missing_ok=True)
+    kept = FILENAME if written.name == FILENAME else SHARDED
+    log(f"[checkpoint] removed {stale}, an older layout: this run saves {kept}")
 
 
 def _save_sharded(
@@ -153,10 +418,13 @@ def _save_sharded(
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
+    tied = _tied(model)  # saved once, under the name they are tied to
+    model_state = {k: v for k, v in model_state.items() if k not in tied}
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=target)
     dist.barrier()  # every shard is on disk
     if dist.is_main:
         write_atomically(target / META, meta)
+        _record_folder(target)
         latest = root / "LATEST"
         tmp = root / f"LATEST.tmp-{os.getpid()}"
         tmp.write_text(target.name)
@@ -167,39 +435,96 @@ def _save_sharded(
     return target
 
 
-def read(run_dir: Path) -> dict[str, Any]:
+def read(run_dir: Path, *, verify: bool = False) -> dict[str, Any]:
     """The run's checkpoint onto the CPU, accepting only tensors and plain containers: the whole
     state of a `checkpoint.pt`, or a sharded checkpoint's metadata plus `sharded`, its folder
-    (the weights stay on disk until `restore` or `load_model` reads them into place)."""
+    (the weights stay on disk until `restore` or `load_model` reads them into place). Its files
+    are checked against their checksums first (`verify`: every file hashed whole). Both layouts
+    at the same step (a consolidated run): the one file; at different steps: refused."""
     path, latest = run_dir / FILENAME, run_dir / SHARDED / "LATEST"
-    if latest.exists() and (not path.exists() or path.stat().st_mtime < latest.stat().st_mtime):
-        folder = run_dir / SHARDED / latest.read_text().strip()
-        state = torch.load(folder / META, map_location="cpu", weights_only=True)
-        return {**state, "sharded": folder}
-    if not path.exists():
+    found = []
+    if path.exists():
+        found.append(_read_file(path, verify))
+    if latest.exists():
+        found.append(_read_sharded(run_dir, verify))
+    if not found:
         raise FileNotFoundError(
             f"there is no checkpoint at {path}: point at the folder of a run that saved one "
             "(train.checkpoint_interval > 0, or a run that reached its end or was stopped)"
         )
+    if len(found) == 2 and found[0]["step"] != found[1]["step"]:
+        steps = {path: found[0]["step"], run_dir / SHARDED: found[1]["step"]}
+        older = min(steps, key=steps.__getitem__)
+        raise RuntimeError(
+            f"{run_dir} holds two checkpoints, {FILENAME} at step {found[0]['step']} and "
+            f"{SHARDED}/ at step {found[1]['step']}: remove the stale one (the older is "
+            f"{older}) and run again"
+        )
+    return found[0]
+
+
+def _read_file(path: Path, verify: bool) -> dict[str, Any]:
+    check_checksums(checksums_of(path), full=verify)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def load_model(run_dir: Path, device: torch.device | str = "cpu") -> tuple[Any, dict[str, Any]]:
+def _read_sharded(run_dir: Path, verify: bool) -> dict[str, Any]:
+    folder = _latest_folder(run_dir / SHARDED)
+    check_checksums(folder / CHECKSUMS, full=verify)
+    read_metadata(folder / ".metadata")  # refused here in one line, before DCP is handed it
+    state = torch.load(folder / META, map_location="cpu", weights_only=True)
+    return {**state, "sharded": folder}
+
+
+def _latest_folder(root: Path) -> Path:
+    """The step folder `LATEST` names: only a `step-<N>` folder in `root` itself, so that a
+    copied or crafted `LATEST` cannot lead elsewhere."""
+    name = (root / "LATEST").read_text().strip()
+    folder = root / name
+    if not STEP_FOLDER.fullmatch(name) or folder.is_symlink():
+        raise RuntimeError(
+            f"{root / 'LATEST'} names {name!r}, not a step-<N> folder in {root}: refusing to "
+            "follow it (a checkpoint this recipe wrote names its own step folder)"
+        )
+    if not folder.is_dir():
+        raise _damaged(folder, f"it is missing, and {root / 'LATEST'} names it")
+    return folder
+
+
+def load_model(
+    run_dir: Path, device: torch.device | str = "cpu", *, verify: bool = False
+) -> tuple[Any, dict[str, Any]]:
     """A trained model from a run folder, rebuilt from its checkpoint alone (the model's saved
     shape, then its weights; a sharded checkpoint is read whole in this one process), and the
     run's saved config: for sampling, evaluation, export."""
     from model import GPT, GPTConfig
 
-    state = read(run_dir)
+    state = read(run_dir, verify=verify)
     check_shape(state, None)
     model = GPT(GPTConfig(**state["model_config"]))
     if "sharded" in state:
-        weights = {"model": model.state_dict()}
-        dcp.load(weights, checkpoint_id=state["sharded"], no_dist=True)
+        weights = _load_sharded(
+            state["sharded"], model, {"model": model.state_dict()}, no_dist=True
+        )
         model.load_state_dict(weights["model"])
     else:
         model.load_state_dict(state["model"])
     return model.to(device), state["config"]
+
+
+def unsharded(state: dict[str, Any]) -> dict[str, Any]:
+    """A sharded checkpoint's (`read`'s state) model and optimizer state, whole in this
+    process, as `checkpoint.pt` holds them (tied parameters under each name)."""
+    from model import GPT, GPTConfig
+
+    check_shape(state, None)
+    whole: dict[str, Any] = {}
+    _dcp_load(whole, state["sharded"], whole=True)
+    with torch.device("meta"):  # only the names of the tied parameters
+        tied = _tied(GPT(GPTConfig(**state["model_config"])))
+    for name, saved_as in tied.items():
+        whole["model"].setdefault(name, whole["model"][saved_as])
+    return whole
 
 
 def check_shape(state: dict[str, Any], config: Any) -> None:
@@ -234,7 +559,7 @@ def restore(
     if "sharded" in state:
         model_state, optim_state = get_state_dict(model, optimizer)
         loaded = {"model": model_state, "optimizer": optim_state}
-        dcp.load(loaded, checkpoint_id=state["sharded"])
+        _load_sharded(state["sharded"], model, loaded)
         set_state_dict(
             model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
         )

@@ -62,7 +62,7 @@ def load_model(cfg: DictConfig, device: torch.device) -> tuple[GPT, dict[str, An
             "save_pretrained dir or hub name>"
         )
     if run is not None:
-        return checkpoint.load_model(run_dir(run), device)
+        return checkpoint.load_model(run_dir(run), device, verify=cfg.verify)
     return GPT.from_pretrained(pretrained).to(device), None
 
 
@@ -91,7 +91,7 @@ def autocast(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractCon
     return torch.autocast(device.type, dtype=dtype)
 
 
-def one_line_errors(name: str, task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+def one_line_errors(name: str, task: Callable[[Any], Any], cfg: Any) -> Any:
     """Runs `task(cfg)`; a bad setting, a missing file or an unreadable model ends the program
     with one line naming it (exit status 1), not a traceback."""
     try:

@@ -14,31 +14,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 
-import torch  # noqa: E402
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # noqa: E402
-
-from recipe import checkpoint  # noqa: E402
+from recipe import checkpoint, tools  # noqa: E402
 
 
-def consolidate(run_dir: Path) -> Path:
-    state = checkpoint.read(run_dir)
+def consolidate(run_dir: Path, verify: bool = False) -> Path:
+    state = checkpoint.read(run_dir, verify=verify)
     if "sharded" not in state:
         raise SystemExit(
             f"{run_dir}'s latest checkpoint is already one file: {checkpoint.FILENAME}"
         )
-    full = run_dir / f"{checkpoint.FILENAME}.full-{state['step']}"
-    dcp_to_torch_save(state.pop("sharded"), full)  # {"model": ..., "optimizer": ...}, unsharded
-    weights = torch.load(full, map_location="cpu", weights_only=True)
+    weights = checkpoint.unsharded(state)  # {"model": ..., "optimizer": ...}, unsharded
+    del state["sharded"]
     path = run_dir / checkpoint.FILENAME
-    checkpoint.write_atomically(path, {**weights, **state})
-    full.unlink()
+    checkpoint.write_atomically(path, {**weights, **state}, checksum=True)
     return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run folder holding checkpoint.dcp/")
-    path = consolidate(parser.parse_args().run_dir)
+    parser.add_argument(
+        "--verify", action="store_true", help="hash every checkpoint file whole (large ones are "
+        "otherwise checked by sampled blocks)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    path = tools.one_line_errors(
+        "consolidate_checkpoint.py", lambda a: consolidate(a.run_dir, a.verify), args
+    )
     print(f"[consolidate] wrote {path}")
 
 

@@ -107,7 +107,10 @@ def test_a_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> 
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(tmp_path, dist, model, optimizer, scaler, step=2, run_state={})
     assert (tmp_path / "checkpoint.pt").read_bytes() == good
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint.pt",
+        "checkpoint.pt.sha256.json",
+    ]
     assert checkpoint.read(tmp_path)["step"] == 1
 
 
