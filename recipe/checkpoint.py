@@ -30,6 +30,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
@@ -236,10 +238,9 @@ def restore(
     more)."""
     same_optimizer = _same_optimizer(state, optimizer)
     if "sharded" in state:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        loaded = {"model": model_state, "optimizer": optim_state}
-        if not same_optimizer:
-            del loaded["optimizer"]
+        loaded = {"model": get_model_state_dict(model)}
+        if same_optimizer:
+            loaded["optimizer"] = get_optimizer_state_dict(model, optimizer)
         dcp.load(loaded, checkpoint_id=state["sharded"])
         _set_state(model, optimizer, loaded["model"], loaded.get("optimizer"))
     else:

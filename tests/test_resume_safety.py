@@ -50,8 +50,10 @@ def test_a_lowbit_checkpoint_holds_plain_tensors(lowbit_run) -> None:
     assert state["optimizer_class"] == "AdamW8bit"
 
 
+@pytest.mark.slow
 def test_the_tools_read_a_lowbit_run_without_torchao(lowbit_run, tmp_path) -> None:
-    """In fresh processes, which never import torchao: sample, evaluate, export."""
+    """In fresh processes, which never import torchao: sample, evaluate, export (the test
+    above is the fast check that the checkpoint holds no torchao class)."""
     for command in (
         ["sample.py", f"run={lowbit_run}", "num_samples=1", "max_new_tokens=2", "device=cpu"],
         ["scripts/evaluate.py", f"run={lowbit_run}", "device=cpu", "eval_sequences=2"],
