@@ -109,7 +109,7 @@ def _quantized_types() -> tuple[type, type]:
 
 def _state_as_plain_tensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     """state_dict()'s post-hook: each quantized moment becomes {TAG: bits, codes, scale, qmap,
-    signed, shape}. New dicts: the per-parameter ones are the optimizer's live state."""
+    signed, shape}."""
     eight, four = _quantized_types()
 
     def plain(value: Any) -> Any:
@@ -121,8 +121,7 @@ def _state_as_plain_tensors(optimizer: torch.optim.Optimizer, state_dict: dict) 
             "signed": torch.tensor(value.signed), "shape": torch.tensor(value.shape),
         }  # fmt: skip
 
-    state = {k: {name: plain(v) for name, v in s.items()} for k, s in state_dict["state"].items()}
-    return {**state_dict, "state": state}
+    return _map_state(state_dict, lambda _, value: plain(value))
 
 
 def _state_from_plain_tensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -141,8 +140,13 @@ def _state_from_plain_tensors(optimizer: torch.optim.Optimizer, state_dict: dict
             return eight(*parts, dtype=dtype)
         return four(*parts, torch.Size(value["shape"].tolist()), dtype=dtype)
 
+    return _map_state(state_dict, lambda key, value: rebuilt(value, dtypes.get(key, torch.float32)))
+
+
+def _map_state(state_dict: dict, convert: Callable[[Any, Any], Any]) -> dict:
+    """`state_dict` with `convert(parameter key, value)` applied to each parameter's state values,
+    in new dicts (the per-parameter ones are the optimizer's live state)."""
     state = {
-        k: {name: rebuilt(v, dtypes.get(k, torch.float32)) for name, v in s.items()}
-        for k, s in state_dict["state"].items()
+        k: {name: convert(k, v) for name, v in s.items()} for k, s in state_dict["state"].items()
     }
     return {**state_dict, "state": state}
