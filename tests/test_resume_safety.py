@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, logged, python, tiny_cfg, tiny_run
+from conftest import CONF, ROOT, logged, python, tiny_cfg, tiny_run
 from model import GPT
 
 QUIET = ("sample.num_samples=0", "wandb.mode=disabled", "train.log_interval=1")
@@ -155,6 +156,16 @@ def test_pretrained_weights_that_do_not_fit_are_refused(hf_weights, tmp_path, ch
     with pytest.raises(ValueError, match=rf"^model.pretrained={folder}: {message}") as refused:
         GPT.from_pretrained(folder)
     assert "\n" not in str(refused.value)
+
+
+def test_sample_refuses_a_llama_folder_in_one_line(hf_weights, tmp_path) -> None:
+    import sample
+
+    folder = _with_config(hf_weights, tmp_path / "llama", model_type="llama")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("sample", overrides=[f"model.pretrained={folder}", "device=cpu"])
+    with pytest.raises(SystemExit, match=rf"^sample\.py: model.pretrained={folder}: its config"):
+        sample.main.__wrapped__(cfg)
 
 
 # ---- 6. a resume on a changed corpus is refused before any work
