@@ -173,8 +173,10 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     plan = opt.plan(cfg, dist)
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
     resumed = checkpoint.read(run_dir) if cfg.train.resume else None
+    corpus = data.corpus_identity(cfg.data)  # its sources' content, tokenizer and dtype
     if resumed:
         config.check_resume(resumed["config"], cfg)
+        data.check_corpus(resumed.get("corpus"), corpus)
         if resumed["step"] >= cfg.train.max_steps:
             return finished_already(run_dir, resumed["step"], dist)
     profiler = Profiler(cfg.prof, run_dir, dist.device, enabled=dist.is_main)  # memory: from here
@@ -229,7 +231,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                 "tokens_per_step": tokens_per_step},
     )  # fmt: skip
     run_state = {"config": resolved, "model_config": dataclasses.asdict(model.config),
-                 "stages": plan.stages, "wandb_id": logger.wandb_id}  # fmt: skip
+                 "stages": plan.stages, "wandb_id": logger.wandb_id, "corpus": corpus,
+                 "optimizer_class": type(optimizer).__name__}  # fmt: skip
     del resumed
     distributed.log(
         f"[train] {run_name}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
 from data.config import check_config
+from data.identity import check_corpus, corpus_identity
 from data.prepare import SPLITS, cache_folder, prepare, read_meta, verify
 from data.sampler import StepSampler
 from data.tokenizer import VOCAB_SIZE
@@ -29,6 +30,8 @@ __all__ = [
     "build_eval_loader",
     "build_loader",
     "check_config",
+    "check_corpus",
+    "corpus_identity",
     "load_splits",
     "prepare",
     "verify",

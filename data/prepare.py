@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.config import check_config
 from data.integrity import check_file, file_record
 from data.sources import corpus_label, expand_files, load_documents, shakespeare_files
-from data.tokenizer import EOT, VOCAB_SIZE, gpt2_encoding
+from data.tokenizer import EOT, TOKEN_DTYPE, TOKENIZER, VOCAB_SIZE, gpt2_encoding
 from data.workers import hardened_forks, sigterm_raises
 
 SPLITS = ("train", "val")
@@ -281,8 +281,8 @@ def prepare(cfg: DictConfig) -> Path | None:
         counts = {split: _write_split(splits[split], tmp, split, num_proc) for split in SPLITS}
         files = {f"{s}.{x}": file_record(tmp / f"{s}.{x}") for s in SPLITS for x in SUFFIXES}
         meta = {
-            "format": FORMAT_VERSION, "name": cfg.name, "tokenizer": "gpt2", "dtype": "uint16",
-            "splits": counts, "files": files,
+            "format": FORMAT_VERSION, "name": cfg.name, "tokenizer": TOKENIZER,
+            "dtype": TOKEN_DTYPE, "splits": counts, "files": files,
         }  # fmt: skip
         with _writing(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=2)
@@ -307,6 +307,12 @@ def _read_meta_json(folder: Path) -> dict:
         raise RuntimeError(
             f"{path} is not in this version's format ({FORMAT_VERSION}: with checksums): "
             f"{_fix(folder)}"
+        )
+    written = {"tokenizer": meta.get("tokenizer"), "dtype": meta.get("dtype")}
+    if written != {"tokenizer": TOKENIZER, "dtype": TOKEN_DTYPE}:
+        raise RuntimeError(
+            f"{path} records tokenizer {written['tokenizer']!r} and dtype {written['dtype']!r}; "
+            f"this version reads {TOKENIZER!r} ids as {TOKEN_DTYPE}: {_fix(folder)}"
         )
     return meta
 

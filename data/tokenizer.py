@@ -18,6 +18,8 @@ from tiktoken_ext.openai_public import r50k_pat_str
 
 EOT = 50256  # <|endoftext|>, the document separator
 VOCAB_SIZE = 50257  # GPT-2's ids are [0, VOCAB_SIZE): the BPE merges, then <|endoftext|>
+TOKENIZER = "gpt2"  # the encoding's name, recorded in meta.json and in checkpoints
+TOKEN_DTYPE = "uint16"  # how the prepared .bin files store the ids (all below 2**16)
 VOCAB_SHA256 = {
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",

@@ -210,16 +210,26 @@ class GPT(nn.Module):
         """Loads Hugging Face GPT-2 weights from a hub name (`gpt2`, `gpt2-medium`, ...; needs
         the network) or a local directory written by `save_pretrained`. `overrides` may set
         `dropout`."""
-        from transformers import GPT2LMHeadModel
+        from transformers import GPT2LMHeadModel, PretrainedConfig
 
         try:
-            hf = GPT2LMHeadModel.from_pretrained(str(name_or_dir))
+            model_type = PretrainedConfig.get_config_dict(str(name_or_dir))[0].get("model_type")
+            if model_type != "gpt2":
+                raise ValueError(
+                    f"model.pretrained={name_or_dir}: its config.json has model_type="
+                    f"{model_type!r}, not 'gpt2': this recipe trains GPT-2 only; give a GPT-2 "
+                    "folder or hub name (gpt2, gpt2-medium, ...)"
+                )
+            hf, info = GPT2LMHeadModel.from_pretrained(
+                str(name_or_dir), output_loading_info=True, ignore_mismatched_sizes=True
+            )
         except OSError as e:
             raise RuntimeError(
                 f"could not load GPT-2 weights from {name_or_dir!r}: it is neither a directory "
                 "written by `save_pretrained` nor a hub model reachable from here (offline?). "
                 "Save the model on a machine with network access and pass its directory."
             ) from e
+        _check_loading_info(name_or_dir, info)
         hc = hf.config
         config = GPTConfig(
             n_layer=hc.n_layer,
@@ -244,3 +254,27 @@ class GPT(nn.Module):
                 else:
                     param.copy_(src)
         return model
+
+
+def _check_loading_info(name_or_dir: str | Path, info: dict) -> None:
+    """Refuses Hugging Face weights that do not fit their config.json (transformers would fill
+    the gaps with random weights, or drop what does not fit), naming the first keys, or the key
+    and both shapes."""
+    fix = "fix its config.json, or use the folder exactly as `save_pretrained` wrote it"
+    if info["mismatched_keys"]:
+        key, saved, expected = sorted(info["mismatched_keys"])[0][:3]
+        raise ValueError(
+            f"model.pretrained={name_or_dir}: {key} has shape {tuple(saved)} in the weights but "
+            f"{tuple(expected)} by config.json: {fix}"
+        )
+    for kind, what in (
+        ("missing_keys", "lack part of what config.json describes"),
+        ("unexpected_keys", "hold more than config.json describes"),
+    ):
+        keys = sorted(info[kind])
+        if keys:
+            first = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            raise ValueError(
+                f"model.pretrained={name_or_dir}: the weights {what} ({kind.replace('_', ' ')}: "
+                f"{first}): {fix}"
+            )

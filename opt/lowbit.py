@@ -16,12 +16,18 @@ every step (pytorch/ao#2500): building the wrapper alone costs ~0.6 ms of host t
 step for GPT-2 XL's 580 parameters, and left the GPU idle most of the memory_xl `lowbit` step.
 The class returned here steps the same way (torchao's state, torchao's update function) with
 the function compiled once.
+
+Its checkpointed state is plain tensors: torchao's quantized moments (`OptimState8bit`/`4bit`,
+tensor subclasses that `torch.load(weights_only=True)` refuses unless torchao is imported) are
+saved as their component tensors with a tag and rebuilt on load, so the after-training tools
+read a lowbit run's checkpoint without torchao, as they read any other.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -29,6 +35,7 @@ from omegaconf import DictConfig
 from recipe.distributed import log
 
 BITS = (8, 4)
+TAG = "lowbit_bits"  # marks a quantized moment saved as its parts; its value: 8 or 4
 
 
 def apply_lowbit(cfg: DictConfig) -> type[torch.optim.Optimizer]:
@@ -84,4 +91,62 @@ def _update_compiled_once(base: type[torch.optim.Optimizer]) -> type[torch.optim
                     )  # fmt: skip
         return loss
 
-    return type(base.__name__, (base,), {"step": step, "__module__": __name__})
+    def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        self.register_state_dict_post_hook(_state_as_plain_tensors)
+        self.register_load_state_dict_pre_hook(_state_from_plain_tensors)
+
+    namespace = {"__init__": __init__, "step": step, "__module__": __name__}
+    return type(base.__name__, (base,), namespace)
+
+
+def _quantized_types() -> tuple[type, type]:
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    return OptimState8bit, OptimState4bit
+
+
+def _state_as_plain_tensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """state_dict()'s post-hook: each quantized moment becomes {TAG: bits, codes, scale, qmap,
+    signed, shape}."""
+    eight, four = _quantized_types()
+
+    def plain(value: Any) -> Any:
+        if not isinstance(value, eight | four):
+            return value  # a step count, a float32 moment (small tensors), a DTensor (FSDP)
+        return {
+            TAG: torch.tensor(8 if isinstance(value, eight) else 4),
+            "codes": value.codes, "scale": value.scale, "qmap": value.qmap,
+            "signed": torch.tensor(value.signed), "shape": torch.tensor(value.shape),
+        }  # fmt: skip
+
+    return _map_state(state_dict, lambda _, value: plain(value))
+
+
+def _state_from_plain_tensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """load_state_dict()'s pre-hook: rebuilds the quantized moments that the post-hook took
+    apart, with their parameter's dtype (torchao's "appearance" dtype)."""
+    eight, four = _quantized_types()
+    saved_keys = [k for group in state_dict["param_groups"] for k in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    dtypes = {k: p.dtype for k, p in zip(saved_keys, params, strict=False)}
+
+    def rebuilt(value: Any, dtype: torch.dtype) -> Any:
+        if not (isinstance(value, dict) and TAG in value):
+            return value
+        parts = value["codes"], value["scale"], value["qmap"], bool(value["signed"])
+        if int(value[TAG]) == 8:
+            return eight(*parts, dtype=dtype)
+        return four(*parts, torch.Size(value["shape"].tolist()), dtype=dtype)
+
+    return _map_state(state_dict, lambda key, value: rebuilt(value, dtypes.get(key, torch.float32)))
+
+
+def _map_state(state_dict: dict, convert: Callable[[Any, Any], Any]) -> dict:
+    """`state_dict` with `convert(parameter key, value)` applied to each parameter's state values,
+    in new dicts (the per-parameter ones are the optimizer's live state)."""
+    state = {
+        k: {name: convert(k, v) for name, v in s.items()} for k, s in state_dict["state"].items()
+    }
+    return {**state_dict, "state": state}

@@ -37,6 +37,8 @@ config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
 
 # Stages that spread training over processes: one process evaluates, with the rest of the plan.
 SPREADING = ("ddp", "fsdp")
+# The optimizer's stage changes nothing evaluated (and would need torchao to plan): left out too.
+OPTIMIZER_ONLY = ("lowbit",)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
@@ -63,7 +65,7 @@ def run_config(cfg: DictConfig, saved: dict[str, Any] | None, model: GPT) -> Dic
             )
         run_cfg.model.block_size = cfg.block_size
     run_cfg.device = cfg.device
-    run_cfg.opt = {k: v for k, v in run_cfg.opt.items() if k not in SPREADING}
+    run_cfg.opt = {k: v for k, v in run_cfg.opt.items() if k not in SPREADING + OPTIMIZER_ONLY}
     config.validate(run_cfg)
     return run_cfg
 

@@ -140,8 +140,7 @@ def export_run(cfg: DictConfig) -> Path:
     model, _ = checkpoint.load_model(run_dir, "cpu", verify=cfg.verify)
     hf = to_transformers(model)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MARK).write_text(json.dumps({"run": str(run_dir.resolve())}) + "
-")  # ours from now
+    (out / MARK).write_text(json.dumps({"run": str(run_dir.resolve())}) + "\n")  # ours from now
     hf.save_pretrained(out)
     write_tokenizer(out)
     c = model.config
