@@ -4,6 +4,7 @@
     python scripts/ablate.py ladder=memory          # the book's memory ladder
     python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
     python scripts/ablate.py ladder=speed steps=[compile,amp_fp16] "extra=['+prof=trace']"
+    python scripts/ablate.py ladder=speed repeats=5 steps=[custom_op]   # anchored on memmap
 
 A ladder (`conf/ablate/ladder/<name>.yaml`) is a workload (overrides and stages every step runs
 with) and a list of steps; each step adds stages (`+opt=...`) and overrides to the ones before it
@@ -18,10 +19,20 @@ A step may run on several GPUs: `nproc: N` processes under torchrun, and with `n
 127.0.0.1, the GPUs split between them with CUDA_VISIBLE_DEVICES). Its row carries `gpus` and a
 per-GPU `efficiency`: tokens/s / (gpus x tokens/s of the nearest 1-GPU row above it).
 
+Repeats: each step runs `repeats` times (3 on a GPU, 1 on a CPU, unless the ladder or the command
+line says), interleaved A B C A B C so that drift touches every row alike; a row is the median of
+its runs with their min–max (and a bootstrap 95% CI of the median from 3 runs), and its tokens/s
+ratio to the row it is compared with pairs run i with run i; a ratio whose range includes 1.00x
+is `within_noise`. `steps=[...]` runs a segment of the ladder; unless it starts at step 0 the
+step its first row is compared with (or `anchor=<step>`) runs beside it, so that its ratios come
+from one call, and its measurement is kept in the json's `segments`.
+
 Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, with the command, the git commit, the
 GPU, the driver and the library versions; rerunning some steps updates their rows. The table
 compares each row with step 0, or with the row named by the ladder's `reference` (the memory_xl
-ladder's target is relative to its `ac` row), in memory and in tokens/s.
+ladder's target is relative to its `ac` row), in memory and in tokens/s; it is printed at the end.
+A failing step, or a results file that cannot be written (its error is in the json's
+`report_errors`), never stops the steps after it.
 """
 
 from __future__ import annotations
@@ -630,7 +641,8 @@ def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
     x = range(len(rows))
     fig, (speed, memory) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows)), 7), sharex=True)
     tps = [(r.get("tokens_per_sec") or 0) / 1e3 for r in rows]
-    low, high = zip(*(_error_bar(r) for r in rows), strict=True)
+    bars = [_error_bar(r) for r in rows]
+    low, high = [b[0] for b in bars], [b[1] for b in bars]
     noise = [any(r.get(k) for k in ("within_noise", "within_noise_ref")) for r in rows]
     speed.bar(
         x,
@@ -768,6 +780,9 @@ def main(argv: list[str]) -> list[dict]:
                 kept[p["name"]] = aggregate(runs[p["name"]], call)
         if anchor and runs[anchor["name"]]:
             segment["anchor"] = aggregate(runs[anchor["name"]], call)
+            own = kept.get(anchor["name"])
+            if own is None or own.get("call") == call:  # no row of its own yet: this is it
+                kept[anchor["name"]] = segment["anchor"]
         rows = [kept[p["name"]] for p in plans if p["name"] in kept]
         # The segments some row still comes from, this one last (its anchor stands in for rows
         # of earlier calls).

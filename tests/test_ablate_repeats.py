@@ -157,8 +157,11 @@ def test_a_segment_merges_and_is_compared_through_its_anchor(monkeypatch, tmp_pa
 
 def test_an_explicit_anchor_and_its_mistakes(monkeypatch, tmp_path) -> None:
     fake = FakeRuns()
-    _ablate(monkeypatch, tmp_path, fake, "steps=[ac]", "anchor=baseline")
+    rows, result, _ = _ablate(monkeypatch, tmp_path, fake, "steps=[ac]", "anchor=baseline")
     assert fake.order == [("baseline", 0), ("ac", 0)]
+    # A fresh folder has no row of the anchor's step: its measurement is that row.
+    assert [r["name"] for r in rows] == ["baseline", "ac"] and rows[1]["ratio"] == 1.5
+    assert result["report_errors"] == [] and result["segments"][0]["anchor"]["name"] == "baseline"
     with pytest.raises(SystemExit, match="anchor=ac is one of steps"):
         _ablate(monkeypatch, tmp_path, fake, "steps=[ac]", "anchor=ac")
     with pytest.raises(SystemExit, match="anchor=nope is not a step of ladder quick"):
@@ -209,6 +212,8 @@ def test_steps_too_short_for_p10_p90_still_chart(monkeypatch, tmp_path) -> None:
     assert len(fake.order) == 6 and result["report_errors"] == []
     assert (folder / "quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ablate._error_bar({"tokens_per_sec": 100.0, "tokens_per_sec_p10": None}) == (0, 0)
+    ladder = OmegaConf.create({"name": "empty", "focus": "speed", "cumulative": True})
+    assert ablate.publish(ladder, [], {"device": "CPU"}, tmp_path / "empty") == []  # anchor only
     # A p10 above the median of the repeats reaches no lower than the bar.
     assert ablate._error_bar({"tokens_per_sec": 1e3, "repeats": 2, "interval": [1.2e3, 2e3]}) == (
         0.0,
