@@ -50,7 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,26 +176,27 @@ def shell(command: list[str], env: dict[str, str]) -> str:
 
 
 def run_step(
-    plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path, repeat: int = 0
+    plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path, repeat: int | None = None
 ) -> dict[str, Any]:
-    """Runs one repeat of a step in its own process(es); returns that run's row (status and
-    numbers). A failure of the harness itself while running it is the run's failure too: the
-    ladder goes on with the next step."""
-    suffix = f"-r{repeat}" if repeat_count(cfg, ladder) > 1 else ""
+    """Runs a step (one of its repeats: `repeat`, its own run folder) in its own process(es);
+    returns that run's row (status and numbers). A failure of the harness itself while running
+    it is the run's failure too: the ladder goes on with the next step."""
+    suffix = "" if repeat is None else f"-r{repeat}"
     run_dir = runs_dir / f"{plan['index']:02d}-{plan['name']}{suffix}"
     agents = launches(plan, ladder, list(cfg.extra), run_dir)
     row = {
         **plan,
         "command": " & ".join(shell(command, env) for command, env in agents),
         "git_commit": git_commit(),
-        "repeat": repeat,
+        "repeat": repeat or 0,
     }
     gpus = torch.cuda.device_count()  # with none, several processes share the CPU (gloo)
     if 0 < gpus < plan["gpus"]:
         return {**row, "status": "skipped", "error": f"needs {plan['gpus']} GPUs, {gpus} here"}
     print(
-        f"[ablate] {ladder.name} {plan['index']:02d} {plan['name']} (repeat {repeat}): "
-        f"{row['command']}",
+        f"[ablate] {ladder.name} {plan['index']:02d} {plan['name']}"
+        + ("" if repeat is None else f" (repeat {repeat})")
+        + f": {row['command']}",
         flush=True,
     )
     started = time.time()
@@ -424,7 +425,8 @@ def comparisons(
         baseline = next((r for r in ok if r["name"] == reference), None)
     else:
         baseline = ok[0] if ok and ok[0].get("index") == 0 else None
-    out, previous = [], None
+    out: list[tuple[dict, dict | None, dict | None]] = []
+    previous = None
     for row in rows:
         out.append((row, previous, baseline))
         if row["status"] == "ok":
@@ -445,7 +447,7 @@ def speed_ratio(row: dict, other: dict | None, anchors: dict[str, dict]) -> dict
         return None
     call = row.get("call")
     one_call = call is not None and other.get("call") == call
-    anchor = anchors.get(call)
+    anchor = anchors.get(call) if call else None
     if not one_call and anchor and anchor["name"] == other["name"] and anchor["status"] == "ok":
         theirs, one_call = _runs(anchor), True
     paired = one_call and len(mine) == len(theirs)
@@ -472,7 +474,7 @@ def _runs(row: dict) -> list[float]:
     return [row["tokens_per_sec"]] if row.get("tokens_per_sec") else []
 
 
-def with_ratios(ladder: DictConfig, rows: list[dict], segments: list[dict] = ()) -> list[dict]:
+def with_ratios(ladder: DictConfig, rows: list[dict], segments: Sequence[dict] = ()) -> list[dict]:
     """Sets each row's `ratio` (tokens/s over the row it is compared with: the one above it in a
     cumulative ladder, else the baseline), `ratio_vs`, `ratio_interval` and `within_noise`, and
     with a `reference` row the same against it (`ratio_ref`, ...)."""
@@ -549,7 +551,7 @@ def _gpus(row: dict) -> str:
     return f"{nnodes} x {gpus // nnodes}" if nnodes > 1 else str(gpus)
 
 
-def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: list[dict] = ()) -> str:
+def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence[dict] = ()) -> str:
     key = "tokens_per_sec" if ladder.focus == "speed" else "peak_allocated_gib"
     gain = "speed-up" if ladder.focus == "speed" else "peak memory"
     scaling = any(row.get("gpus", 1) > 1 for row in rows)  # then: GPUs and per-GPU efficiency
@@ -689,12 +691,13 @@ def _error_bar(row: dict) -> tuple[float, float]:
 def _spread(row: dict) -> tuple[float | None, float | None]:
     """A row's tokens/s spread: the min–max of its runs, else its one run's p10–p90."""
     if row.get("repeats", 1) > 1 and row.get("interval"):
-        return tuple(row["interval"])
+        low, high = row["interval"]
+        return low, high
     return row.get("tokens_per_sec_p10"), row.get("tokens_per_sec_p90")
 
 
 def publish(
-    ladder: DictConfig, rows: list[dict], env: dict, folder: Path, segments: list[dict] = ()
+    ladder: DictConfig, rows: list[dict], env: dict, folder: Path, segments: Sequence[dict] = ()
 ) -> list[str]:
     """Writes the results; returns what could not be written. Each file is tried on its own and
     a failure is reported, not raised: a chart that cannot be drawn must not cost the steps that
@@ -767,14 +770,19 @@ def main(argv: list[str]) -> list[dict]:
     )
     measured = ([anchor] if anchor else []) + chosen
     runs: dict[str, list[dict]] = {p["name"]: [] for p in measured}
-    segment = {"call": call, "steps": [p["name"] for p in chosen], "repeats": repeats,
-               "command": env.get("command"), "anchor": None}  # fmt: skip
+    segment: dict[str, Any] = {
+        "call": call,
+        "steps": [p["name"] for p in chosen],
+        "repeats": repeats,
+        "command": env.get("command"),
+        "anchor": None,  # the anchor's row, once it ran
+    }
     errors: list[str] = []
     for repeat, plan in interleaved(measured, repeats):
         done = runs[plan["name"]]
         if done and done[-1]["status"] != "ok":
             continue  # a step that failed, ran out of memory or timed out is not tried again
-        done.append(run_step(plan, ladder, cfg, runs_dir, repeat))
+        done.append(run_step(plan, ladder, cfg, runs_dir, repeat if repeats > 1 else None))
         for p in chosen:
             if runs[p["name"]]:
                 kept[p["name"]] = aggregate(runs[p["name"]], call)
@@ -790,7 +798,9 @@ def main(argv: list[str]) -> list[dict]:
         segments = [s for s in segments if s["call"] in calls and s["call"] != call]
         # After every run: a killed ladder keeps its results.
         errors = publish(ladder, rows, env, folder, [*segments, segment])
-    print("\n" + markdown(ladder, rows, env, [*segments, segment]).split("\n## ")[0], flush=True)
+    with contextlib.suppress(Exception):  # a table that cannot be made is in `errors` already
+        table = markdown(ladder, rows, env, [*segments, segment])
+        print("\n" + table.split("\n## ")[0], flush=True)  # the table, without the environment
     if errors:
         raise SystemExit(f"ablate.py: every step ran, but some results were not written: {errors}")
     return rows

@@ -15,8 +15,9 @@ from omegaconf import OmegaConf
 from conftest import ROOT
 
 spec = importlib.util.spec_from_file_location("ablate", ROOT / "scripts/ablate.py")
-ablate = importlib.util.module_from_spec(spec)
+ablate = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
 spec.loader.exec_module(ablate)
+chart = ablate.chart  # the real one, which most tests here replace (a second per run)
 
 QUICK = ["baseline", "bs", "workers", "accum", "ac", "forloop"]
 # Tokens/s per step and repeat: bs doubles the baseline, workers is within bs's noise.
@@ -46,13 +47,13 @@ class FakeRuns:
     """Stands in for `launch`: records the running order and answers with a summary, scaled by
     `machine` (another call on a slower machine); `outcomes` makes a step fail."""
 
-    def __init__(self, machine: float = 1.0, outcomes: dict | None = None, summary: dict = ()):
+    def __init__(self, machine: float = 1.0, outcomes: dict | None = None, summary=None):
         self.order: list[tuple[str, int]] = []
-        self.machine, self.outcomes, self.extra = machine, outcomes or {}, dict(summary)
+        self.machine, self.outcomes, self.extra = machine, outcomes or {}, summary or {}
 
     def __call__(self, agents, run_dir: Path, timeout_s: float):
-        index, name, *repeat = run_dir.name.split("-", 2)
-        repeat = int(repeat[0][1:]) if repeat else 0
+        _, name, *tag = run_dir.name.split("-", 2)  # <index>-<step>[-r<repeat>]
+        repeat = int(tag[0][1:]) if tag else 0
         self.order.append((name, repeat))
         if name in self.outcomes:
             outcome = self.outcomes[name]
@@ -66,8 +67,12 @@ class FakeRuns:
         return "ok", "", summary
 
 
-def _ablate(monkeypatch, tmp_path, fake: FakeRuns, *args: str):
+def _ablate(monkeypatch, tmp_path, fake: FakeRuns, *args: str, draw: bool = False):
+    """`python scripts/ablate.py ladder=quick <args>` with fake runs; the chart, redrawn after
+    every run (a second each), only when `draw`."""
     monkeypatch.setattr(ablate, "launch", fake)
+    if not draw:
+        monkeypatch.setattr(ablate, "chart", lambda *args: None)
     argv = ["ladder=quick", f"out_dir={tmp_path / 'results'}", f"runs_dir={tmp_path / 'runs'}",
             *args]  # fmt: skip
     rows = ablate.main(argv)
@@ -103,7 +108,8 @@ def test_repeats_run_interleaved_and_rows_carry_medians_intervals_and_noise(
     assert "201 (195–205, 3 runs)" in workers_line
     bs_line = next(line for line in table.splitlines() if "| `bs` |" in line)
     assert "2.000x (1.909–2.111)" in bs_line and "within noise" not in bs_line
-    assert (folder / "quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    chart(OmegaConf.create({"name": "quick"}), rows, {"device": "CPU"}, tmp_path / "noise.png")
+    assert (tmp_path / "noise.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # a grey bar
     printed = capsys.readouterr().out
     assert "| `workers` |" in printed.split("[ablate] results:")[-1]  # the table comes last
 
@@ -208,8 +214,8 @@ def test_steps_too_short_for_p10_p90_still_chart(monkeypatch, tmp_path) -> None:
     """A run shorter than perf.warmup_steps has no p10/p90: the chart once passed a negative
     error bar to matplotlib and the ladder died with the next steps unrun."""
     fake = FakeRuns(summary={"perf/tokens_per_sec_p10": None, "perf/tokens_per_sec_p90": None})
-    rows, result, folder = _ablate(monkeypatch, tmp_path, fake)
-    assert len(fake.order) == 6 and result["report_errors"] == []
+    rows, result, folder = _ablate(monkeypatch, tmp_path, fake, "steps=[baseline,bs]", draw=True)
+    assert len(fake.order) == 2 and result["report_errors"] == []
     assert (folder / "quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ablate._error_bar({"tokens_per_sec": 100.0, "tokens_per_sec_p10": None}) == (0, 0)
     ladder = OmegaConf.create({"name": "empty", "focus": "speed", "cumulative": True})
@@ -228,7 +234,7 @@ def test_a_failing_chart_does_not_stop_the_ladder(monkeypatch, tmp_path) -> None
     monkeypatch.setattr(ablate, "chart", broken)
     fake = FakeRuns()
     with pytest.raises(SystemExit, match="some results were not written: .*chart: ValueError"):
-        _ablate(monkeypatch, tmp_path, fake)
+        _ablate(monkeypatch, tmp_path, fake, draw=True)  # with the broken chart
     assert len(fake.order) == 6  # every step ran
     folder = tmp_path / "results" / ablate.slug(ablate.device_name())
     result = json.loads((folder / "quick.json").read_text())
