@@ -4,6 +4,7 @@
     python scripts/ablate.py ladder=memory          # the book's memory ladder
     python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
     python scripts/ablate.py ladder=speed steps=[compile,amp_fp16] "extra=['+prof=trace']"
+    python scripts/ablate.py ladder=speed repeats=5 steps=[custom_op]   # anchored on memmap
 
 A ladder (`conf/ablate/ladder/<name>.yaml`) is a workload (overrides and stages every step runs
 with) and a list of steps; each step adds stages (`+opt=...`) and overrides to the ones before it
@@ -18,10 +19,20 @@ A step may run on several GPUs: `nproc: N` processes under torchrun, and with `n
 127.0.0.1, the GPUs split between them with CUDA_VISIBLE_DEVICES). Its row carries `gpus` and a
 per-GPU `efficiency`: tokens/s / (gpus x tokens/s of the nearest 1-GPU row above it).
 
+Repeats: each step runs `repeats` times (3 on a GPU, 1 on a CPU, unless the ladder or the command
+line says), interleaved A B C A B C so that drift touches every row alike; a row is the median of
+its runs with their min–max (and a bootstrap 95% CI of the median from 3 runs), and its tokens/s
+ratio to the row it is compared with pairs run i with run i; a ratio whose range includes 1.00x
+is `within_noise`. `steps=[...]` runs a segment of the ladder; unless it starts at step 0 the
+step its first row is compared with (or `anchor=<step>`) runs beside it, so that its ratios come
+from one call, and its measurement is kept in the json's `segments`.
+
 Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, with the command, the git commit, the
 GPU, the driver and the library versions; rerunning some steps updates their rows. The table
 compares each row with step 0, or with the row named by the ladder's `reference` (the memory_xl
-ladder's target is relative to its `ac` row), in memory and in tokens/s.
+ladder's target is relative to its `ac` row), in memory and in tokens/s; it is printed at the end.
+A failing step, or a results file that cannot be written (its error is in the json's
+`report_errors`), never stops the steps after it.
 """
 
 from __future__ import annotations
@@ -35,9 +46,11 @@ import re
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +59,10 @@ sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 # The harness's own config, apart from conf/'s groups: train.py's search path does not see it.
 CONF = ROOT / "conf" / "ablate"
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from recipe.distributed import descendants, torchrun  # noqa: E402
 from recipe.provenance import device_name, environment, git_commit  # noqa: E402
@@ -66,6 +80,12 @@ NUMBERS = (
     ("train_loss", "train/loss"),
     ("val_loss", "val/loss"),
     ("measured_steps", "perf/measured_steps"),
+    # Cold start, goodput, input waits and energy (null where the trainer does not report them).
+    ("first_step_s", "perf/first_step_s"),
+    ("compile_s", "perf/compile_s"),
+    ("goodput", "perf/goodput"),
+    ("data_wait_ms", "perf/data_wait_ms"),
+    ("joules_per_token", "perf/joules_per_token"),
 )
 
 
@@ -115,7 +135,7 @@ def launches(
         *extra,
         f"hydra.run.dir={run_dir}",
         f"wandb.group=ladder-{ladder.name}",
-        f"wandb.name={ladder.name}-{plan['index']:02d}-{plan['name']}",
+        f"wandb.name={ladder.name}-{run_dir.name}",  # <index>-<step>[-r<repeat>]
     ]
     nproc, nnodes = plan["nproc"], plan["nnodes"]
     if plan["gpus"] == 1:
@@ -155,22 +175,49 @@ def shell(command: list[str], env: dict[str, str]) -> str:
     return shlex.join([*prefix, "python", *command[1:]])
 
 
-def run_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path) -> dict[str, Any]:
-    """Runs one step in its own process(es); returns its row (status and numbers)."""
-    run_dir = runs_dir / f"{plan['index']:02d}-{plan['name']}"
+def run_step(
+    plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path, repeat: int | None = None
+) -> dict[str, Any]:
+    """Runs a step (one of its repeats: `repeat`, its own run folder) in its own process(es);
+    returns that run's row (status and numbers). A failure of the harness itself while running
+    it is the run's failure too: the ladder goes on with the next step."""
+    suffix = "" if repeat is None else f"-r{repeat}"
+    run_dir = runs_dir / f"{plan['index']:02d}-{plan['name']}{suffix}"
     agents = launches(plan, ladder, list(cfg.extra), run_dir)
     row = {
         **plan,
         "command": " & ".join(shell(command, env) for command, env in agents),
         "git_commit": git_commit(),
+        "repeat": repeat or 0,
     }
     gpus = torch.cuda.device_count()  # with none, several processes share the CPU (gloo)
     if 0 < gpus < plan["gpus"]:
         return {**row, "status": "skipped", "error": f"needs {plan['gpus']} GPUs, {gpus} here"}
-    run_dir.mkdir(parents=True, exist_ok=True)
     print(
-        f"[ablate] {ladder.name} {plan['index']:02d} {plan['name']}: {row['command']}", flush=True
+        f"[ablate] {ladder.name} {plan['index']:02d} {plan['name']}"
+        + ("" if repeat is None else f" (repeat {repeat})")
+        + f": {row['command']}",
+        flush=True,
     )
+    started = time.time()
+    try:
+        status, output, summary = launch(agents, run_dir, cfg.timeout_s)
+    except Exception as e:  # noqa: BLE001 -- recorded as the step's failure, the ladder goes on
+        status, output, summary = "failed", f"ablate.py: {type(e).__name__}: {e}", {}
+    row["wall_s"] = round(time.time() - started, 1)
+    row.update({column: summary_value(summary, column, key) for column, key in NUMBERS})
+    if status != "ok":
+        row["error"] = failure_reason(output)
+    print(f"[ablate]   -> {status}, {row['wall_s']} s", flush=True)
+    return {**row, "status": status}
+
+
+def launch(
+    agents: list[tuple[list[str], dict[str, str]]], run_dir: Path, timeout_s: float
+) -> tuple[str, str, dict]:
+    """Runs a step's processes to their end (or its timeout): its status (ok, oom, failed,
+    timeout), its output and the run's summary.json (empty when it wrote none)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     logs = [
         run_dir / ("output.txt" if i == 0 else f"output-node{i}.txt") for i in range(len(agents))
@@ -188,7 +235,7 @@ def run_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path) ->
                     start_new_session=True,  # its own process group: killable as a whole
                 )  # fmt: skip
             )
-    timed_out = not wait_all(procs, deadline=started + cfg.timeout_s)
+    timed_out = not wait_all(procs, deadline=started + timeout_s)
     output = "".join(log.read_text(errors="replace") for log in logs)
     if timed_out:
         status = "timeout"
@@ -196,27 +243,45 @@ def run_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path) ->
         status = "oom" if OOM.search(output) else "failed"
     else:
         status = "ok"
-    row["wall_s"] = round(time.time() - started, 1)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    row.update({column: summary.get(key) for column, key in NUMBERS})
-    if status != "ok":
-        row["error"] = failure_reason(output)
-    print(f"[ablate]   -> {status}, {row['wall_s']} s", flush=True)
-    return {**row, "status": status}
+    return status, output, summary
+
+
+def summary_value(summary: dict, column: str, key: str) -> Any:
+    """A number of the run's summary: under its key, else under any namespace with the column's
+    name (`perf/goodput` or `time/goodput`), else None (a trainer that does not report it)."""
+    if key in summary:
+        return summary[key]
+    return next((v for k, v in summary.items() if k.rsplit("/", 1)[-1] == column), None)
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 RAISED = re.compile(r"^[\w.]*(Error|Exception)\b|CUDA out of memory")
+# Hydra's own errors (an unknown config, a bad override) name no exception: its message is the
+# block from "Could not ..." up to the search path or its HYDRA_FULL_ERROR hint.
+HYDRA_CAUSE = re.compile(r"^(In '[^']*': )?Could not ")
+HYDRA_END = re.compile(r"^(Config search path:|Available options|Set the environment variable)")
 
 
 def failure_reason(output: str) -> str:
     """What a failed step's output says went wrong: the last line naming an exception (wandb
-    prints its sync hints after the traceback), else the last three lines."""
+    prints its sync hints after the traceback), else Hydra's message, else the last three
+    lines."""
     lines = [ANSI.sub("", line).strip() for line in output.splitlines()]
-    lines = [line for line in lines if line]
     raised = [line for line in lines if RAISED.search(line)]
-    reason = raised[-1] if raised else " | ".join(lines[-3:])
+    cause = next((i for i, line in enumerate(lines) if HYDRA_CAUSE.search(line)), None)
+    if raised:
+        reason = raised[-1]
+    elif cause is not None:
+        block = []
+        for line in lines[cause:]:
+            if HYDRA_END.search(line):
+                break
+            block += [line] if line else []
+        reason = " | ".join(block)
+    else:
+        reason = " | ".join([line for line in lines if line][-3:])
     return reason if len(reason) <= 600 else reason[:599] + "…"
 
 
@@ -262,6 +327,171 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+# ---- which steps run, how often, in what order
+
+
+def selection(cfg: DictConfig, plans: list[dict]) -> tuple[list[dict], dict | None]:
+    """The steps this call measures (ladder order) and its anchor: `anchor=<step>`, else, when
+    the first of `steps=[...]` is not the ladder's first, the step its row is compared with, so
+    that its ratio comes from this call too. Unknown or repeated names are refused up front."""
+    ladder, names = cfg.ladder, [p["name"] for p in plans]
+    where = f"ladder {ladder.name} (conf/ablate/ladder/{ladder.name}.yaml)"
+    if repeated(names):
+        raise SystemExit(f"ablate.py: {where} names {repeated(names)} more than once; rename them")
+    wanted = list(cfg.steps) if cfg.steps else names
+    if repeated(wanted):
+        raise SystemExit(f"ablate.py: steps={wanted} names {repeated(wanted)} more than once")
+    unknown = sorted(set(wanted) - set(names))
+    if unknown:
+        raise SystemExit(f"ablate.py: steps {unknown} are not in {where}: {names}")
+    chosen = [p for p in plans if p["name"] in wanted]
+    if cfg.get("anchor"):
+        if cfg.anchor not in names:
+            raise SystemExit(f"ablate.py: anchor={cfg.anchor} is not a step of {where}: {names}")
+        if cfg.anchor in wanted:
+            raise SystemExit(f"ablate.py: anchor={cfg.anchor} is one of steps={wanted}; drop it")
+        return chosen, plans[names.index(cfg.anchor)]
+    first = chosen[0]["index"]
+    if ladder.cumulative:
+        candidate = plans[first - 1] if first > 0 else None
+    else:
+        reference = ladder.get("reference")
+        candidate = plans[names.index(reference)] if reference else plans[0]
+    return chosen, None if candidate is None or candidate["name"] in wanted else candidate
+
+
+def repeated(names: list[str]) -> list[str]:
+    return sorted({n for n in names if names.count(n) > 1})
+
+
+def repeat_count(cfg: DictConfig, ladder: DictConfig) -> int:
+    """How often each step runs: `repeats=N`, else the ladder's `repeats`, else 3 on a GPU (where
+    a few percent decide a row) and 1 on a CPU (where the harness itself is what is tried)."""
+    for value in (cfg.get("repeats"), ladder.get("repeats")):
+        if value is not None:
+            if not isinstance(value, int) or value < 1:
+                raise SystemExit(f"ablate.py: repeats={value}: give a whole number of runs, >= 1")
+            return value
+    return 3 if torch.cuda.is_available() else 1
+
+
+def interleaved(plans: list[dict], repeats: int) -> list[tuple[int, dict]]:
+    """(repeat, step) in running order, A B C A B C ...: a drift of the machine (clocks,
+    temperature, a neighbour) then touches every step alike instead of the last ones."""
+    return [(repeat, plan) for repeat in range(repeats) for plan in plans]
+
+
+def _median(values: list) -> Any:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def bootstrap_ci(values: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """A 95% confidence interval of the median (percentile bootstrap, seeded: reproducible)."""
+    rng = np.random.default_rng(seed)
+    medians = np.median(rng.choice(values, size=(resamples, len(values))), axis=1)
+    low, high = np.percentile(medians, [2.5, 97.5])
+    return [float(low), float(high)]
+
+
+def aggregate(runs: list[dict], call: str) -> dict[str, Any]:
+    """A step's row from its runs: every number the median over the runs that completed, with
+    tokens/s per run, their min–max `interval` and, from 3 runs, `ci95` (a bootstrap 95% CI of
+    the median); the status and error of the first run that did not complete, if one did not."""
+    done = [r for r in runs if r["status"] == "ok"]
+    failed = next((r for r in runs if r["status"] != "ok"), None)
+    row = {k: v for k, v in (failed or runs[0]).items() if k != "repeat"}
+    for column in [*(c for c, _ in NUMBERS), "wall_s"]:
+        row[column] = _median([r.get(column) for r in (done or runs)])
+    tps = [r["tokens_per_sec"] for r in done if r.get("tokens_per_sec") is not None]
+    row.update(
+        call=call,
+        repeats=len(done),
+        tokens_per_sec_runs=tps,
+        interval=[min(tps), max(tps)] if tps else None,
+        ci95=bootstrap_ci(tps) if len(tps) >= 3 else None,
+    )
+    return row
+
+
+def comparisons(
+    ladder: DictConfig, rows: list[dict]
+) -> list[tuple[dict, dict | None, dict | None]]:
+    """Each row with the ones it is compared with: the last row above it that ran, and the
+    baseline (the ladder's `reference` row, else step 0), None where there is none."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    reference = ladder.get("reference")
+    if reference:
+        baseline = next((r for r in ok if r["name"] == reference), None)
+    else:
+        baseline = ok[0] if ok and ok[0].get("index") == 0 else None
+    out: list[tuple[dict, dict | None, dict | None]] = []
+    previous = None
+    for row in rows:
+        out.append((row, previous, baseline))
+        if row["status"] == "ok":
+            previous = row
+    return out
+
+
+def speed_ratio(row: dict, other: dict | None, anchors: dict[str, dict]) -> dict | None:
+    """The row's tokens/s over the other's. Runs of one call pair up, repeat i with repeat i
+    (they ran side by side): the ratio is the median of the per-repeat ratios, the interval
+    their min–max; a row measured in another call is stood in for by this call's anchor when
+    it is that step. Else (unpaired) the ratio of medians, between the extremes the runs allow.
+    `within_noise`: the interval includes 1.00x (None with a single run: nothing to judge)."""
+    if row["status"] != "ok" or not other or other["status"] != "ok":
+        return None
+    mine, theirs = _runs(row), _runs(other)
+    if not mine or not theirs:
+        return None
+    call = row.get("call")
+    one_call = call is not None and other.get("call") == call
+    anchor = anchors.get(call) if call else None
+    if not one_call and anchor and anchor["name"] == other["name"] and anchor["status"] == "ok":
+        theirs, one_call = _runs(anchor), True
+    paired = one_call and len(mine) == len(theirs)
+    if paired:
+        ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
+        ratio, interval = statistics.median(ratios), [min(ratios), max(ratios)]
+    else:
+        ratio = statistics.median(mine) / statistics.median(theirs)
+        interval = [min(mine) / max(theirs), max(mine) / min(theirs)]
+    several = max(len(mine), len(theirs)) > 1
+    return {
+        "vs": other["name"],
+        "ratio": round(ratio, 4),
+        "interval": [round(v, 4) for v in interval],
+        "within_noise": (interval[0] <= 1 <= interval[1]) if several else None,
+    }
+
+
+def _runs(row: dict) -> list[float]:
+    """A row's tokens/s per run (a row written before repeats: its one number)."""
+    runs = row.get("tokens_per_sec_runs")
+    if runs:
+        return list(runs)
+    return [row["tokens_per_sec"]] if row.get("tokens_per_sec") else []
+
+
+def with_ratios(ladder: DictConfig, rows: list[dict], segments: Sequence[dict] = ()) -> list[dict]:
+    """Sets each row's `ratio` (tokens/s over the row it is compared with: the one above it in a
+    cumulative ladder, else the baseline), `ratio_vs`, `ratio_interval` and `within_noise`, and
+    with a `reference` row the same against it (`ratio_ref`, ...)."""
+    anchors = {s["call"]: s["anchor"] for s in segments if s.get("anchor")}
+    for row, previous, baseline in comparisons(ladder, rows):
+        targets = {"": previous if ladder.cumulative else baseline}
+        if ladder.get("reference"):
+            targets["_ref"] = baseline
+        for suffix, other in targets.items():
+            found = speed_ratio(row, other, anchors) or {}
+            row[f"ratio{suffix}"] = found.get("ratio")
+            row[f"ratio{suffix}_vs"] = found.get("vs")
+            row[f"ratio{suffix}_interval"] = found.get("interval")
+            row[f"within_noise{suffix}"] = found.get("within_noise")
+    return rows
+
+
 # ---- rendering
 
 
@@ -272,9 +502,29 @@ def _fmt(value: float | None, spec: str) -> str:
 def _ratio(row: dict, ref: dict | None, key: str) -> str:
     if not ref or row.get(key) is None or ref.get(key) in (None, 0):
         return "–"
+    stored = next((s for s in ("", "_ref") if row.get(f"ratio{s}_vs") == ref["name"]), None)
+    if key == "tokens_per_sec" and stored is not None and row.get(f"ratio{stored}") is not None:
+        return _speed_cell(row, stored)
     if key == "tokens_per_sec":
         return f"{row[key] / ref[key]:.2f}x"
     return f"{100 * (row[key] / ref[key] - 1):+.0f}%"
+
+
+def _speed_cell(row: dict, suffix: str) -> str:
+    """A stored tokens/s ratio; with repeats, its interval and whether it is within noise."""
+    ratio, (low, high) = row[f"ratio{suffix}"], row[f"ratio{suffix}_interval"]
+    if row.get("repeats", 1) <= 1 and low == high:
+        return f"{ratio:.2f}x"
+    noise = " within noise" if row.get(f"within_noise{suffix}") else ""
+    return f"{ratio:.3f}x ({low:.3f}–{high:.3f}){noise}"
+
+
+def _tokens_cell(row: dict) -> str:
+    """Tokens/s: the median of the repeats with their min–max, or one run's p10–p90."""
+    low, high = _spread(row)
+    runs = f", {row['repeats']} runs" if row.get("repeats", 1) > 1 else ""
+    spread = "" if low is None or high is None else f" ({low:,.0f}–{high:,.0f}{runs})"
+    return _fmt(row.get("tokens_per_sec"), ",.0f") + spread
 
 
 def with_efficiency(rows: list[dict]) -> list[dict]:
@@ -301,7 +551,7 @@ def _gpus(row: dict) -> str:
     return f"{nnodes} x {gpus // nnodes}" if nnodes > 1 else str(gpus)
 
 
-def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
+def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence[dict] = ()) -> str:
     key = "tokens_per_sec" if ladder.focus == "speed" else "peak_allocated_gib"
     gain = "speed-up" if ladder.focus == "speed" else "peak memory"
     scaling = any(row.get("gpus", 1) > 1 for row in rows)  # then: GPUs and per-GPU efficiency
@@ -310,8 +560,10 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
     reference = ladder.get("reference")
     versus = f"`{reference}`" if reference else "baseline"
     speed_too = bool(reference) and key != "tokens_per_sec"
+    repeats = any(r.get("repeats", 1) > 1 for r in rows)
+    spread = "tokens/s (runs: median, min–max)" if repeats else "tokens/s (p10–p90)"
     columns = [
-        "#", "step", "what changes", *(["GPUs"] if scaling else []), "tokens/s (p10–p90)",
+        "#", "step", "what changes", *(["GPUs"] if scaling else []), spread,
         *(["per-GPU efficiency"] if scaling else []), f"{gain} vs prev", f"{gain} vs {versus}",
         *([f"tokens/s vs {versus}"] if speed_too else []),
         "MFU", "step ms", "peak alloc GiB", "peak reserved GiB", "loss", "status",
@@ -323,23 +575,14 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
         header,
         "|" + "---|" * len(columns),
     ]
-    ok = [r for r in rows if r["status"] == "ok"]
-    if reference:
-        baseline = next((r for r in ok if r["name"] == reference), None)
-    else:
-        baseline = ok[0] if ok and ok[0]["index"] == 0 else None
-    previous = None
-    for row in rows:
-        spread = ""
-        if row.get("tokens_per_sec_p10") is not None:
-            spread = f" ({row['tokens_per_sec_p10']:,.0f}–{row['tokens_per_sec_p90']:,.0f})"
+    for row, previous, baseline in comparisons(ladder, rows):
         mfu = _fmt(row.get("mfu"), ".1f") + ("%" if row.get("mfu") is not None else "")
         cells = [
             str(row["index"]),
             f"`{row['name']}`",
             row["what"],
             *([_gpus(row)] if scaling else []),
-            _fmt(row.get("tokens_per_sec"), ",.0f") + spread,
+            _tokens_cell(row),
             *([_fmt(row.get("efficiency"), ".3f")] if scaling else []),
             _ratio(row, previous, key) if ladder.cumulative else "–",
             _ratio(row, baseline, key),
@@ -352,8 +595,6 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
             row["status"] if row["status"] == "ok" else f"**{row['status']}**",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-        if row["status"] == "ok":
-            previous = row
     versus_row = f"the `{reference}` row" if reference else "step 0"
     compared = (
         f"the last step that ran (`vs prev`) and with {versus_row}"
@@ -367,6 +608,19 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict) -> str:
             "the same per-GPU batch on one GPU of this host; `a x b` GPUs: a torchrun agents "
             '("machines", c10d rendezvous on 127.0.0.1) of b GPUs each.'
         ]
+    if repeats:
+        lines += [
+            "Tokens/s: the median of the step's runs, interleaved with the other steps' (A B C A B "
+            "C ...), with their min–max; a ratio's range is the min–max of the per-run ratios "
+            "(run i of both rows, which ran side by side); *within noise*: that range includes "
+            "1.00x. A single run shows the p10–p90 of its steps."
+        ]
+    lines += [
+        f"Steps {s['steps']} ran in one call ({s['call']}) with `{s['anchor']['name']}` "
+        f"re-measured beside them as their anchor: {_tokens_cell(s['anchor'])} tokens/s."
+        for s in segments
+        if s.get("anchor") and s["anchor"].get("status") == "ok"
+    ]
     lines += [f"\n- `{r['name']}`: {r['note']}" for r in rows if r.get("note")]
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
@@ -384,21 +638,27 @@ def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    def thousands(row: dict, key: str) -> float:
-        return (row.get(key) or 0) / 1e3
+    from matplotlib.patches import Patch
 
     x = range(len(rows))
     fig, (speed, memory) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows)), 7), sharex=True)
-    tps = [thousands(r, "tokens_per_sec") for r in rows]
-    low = [
-        t - thousands(r, "tokens_per_sec_p10") if t else 0 for t, r in zip(tps, rows, strict=True)
-    ]
-    high = [
-        thousands(r, "tokens_per_sec_p90") - t if t else 0 for t, r in zip(tps, rows, strict=True)
-    ]
-    speed.bar(x, tps, yerr=[low, high], color="tab:blue", capsize=3)
-    speed.set_ylabel("thousand tokens/s (median, p10–p90)")
+    tps = [(r.get("tokens_per_sec") or 0) / 1e3 for r in rows]
+    bars = [_error_bar(r) for r in rows]
+    low, high = [b[0] for b in bars], [b[1] for b in bars]
+    noise = [any(r.get(k) for k in ("within_noise", "within_noise_ref")) for r in rows]
+    speed.bar(
+        x,
+        tps,
+        yerr=[low, high],
+        color=["lightgray" if n else "tab:blue" for n in noise],
+        hatch=["//" if n else "" for n in noise],
+        edgecolor=["gray" if n else "tab:blue" for n in noise],
+        capsize=3,
+    )
+    speed.set_ylabel("thousand tokens/s\n(median; bars: min–max of runs, or p10–p90)")
+    if any(noise):
+        grey = Patch(facecolor="lightgray", hatch="//", edgecolor="gray")
+        speed.legend([grey], ["within noise of the row it is compared with"], loc="upper left")
     alloc = [r.get("peak_allocated_gib") or 0 for r in rows]
     reserved = [r.get("peak_reserved_gib") or 0 for r in rows]
     memory.bar([i - 0.2 for i in x], alloc, width=0.4, label="peak allocated", color="tab:orange")
@@ -417,24 +677,77 @@ def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def publish(ladder: DictConfig, rows: list[dict], env: dict, folder: Path) -> None:
+def _error_bar(row: dict) -> tuple[float, float]:
+    """How far the chart's error bar reaches below and above the row's bar, in thousand tokens/s:
+    never negative (matplotlib refuses that), and none where a run too short for its p10/p90 has
+    no spread."""
+    low, high = _spread(row)
+    tps = row.get("tokens_per_sec")
+    if tps is None or low is None or high is None:
+        return 0.0, 0.0
+    return max(0.0, tps - low) / 1e3, max(0.0, high - tps) / 1e3
+
+
+def _spread(row: dict) -> tuple[float | None, float | None]:
+    """A row's tokens/s spread: the min–max of its runs, else its one run's p10–p90."""
+    if row.get("repeats", 1) > 1 and row.get("interval"):
+        low, high = row["interval"]
+        return low, high
+    return row.get("tokens_per_sec_p10"), row.get("tokens_per_sec_p90")
+
+
+def publish(
+    ladder: DictConfig, rows: list[dict], env: dict, folder: Path, segments: Sequence[dict] = ()
+) -> list[str]:
+    """Writes the results; returns what could not be written. Each file is tried on its own and
+    a failure is reported, not raised: a chart that cannot be drawn must not cost the steps that
+    are still to run, nor the other files."""
     folder.mkdir(parents=True, exist_ok=True)
-    rows = with_efficiency(rows)
     stem = folder / ladder.name
-    (stem.with_suffix(".json")).write_text(
-        json.dumps({"environment": env, "steps": rows}, indent=2)
+    errors: list[str] = []
+
+    def attempt(what: str, write: Callable[[], Any]) -> None:
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 -- reported with the results, the ladder goes on
+            errors.append(f"{what}: {type(e).__name__}: {e}")
+            print(f"[ablate] could not write the {what}: {type(e).__name__}: {e}", flush=True)
+
+    attempt("ratios", lambda: with_ratios(ladder, with_efficiency(rows), segments))
+    attempt("csv", lambda: write_csv(rows, stem.with_suffix(".csv")))
+    attempt(
+        "table", lambda: stem.with_suffix(".md").write_text(markdown(ladder, rows, env, segments))
     )
-    columns = ["index", "name", "what", "status", "stages", "nproc", "nnodes", "gpus", "strategy"]
-    columns += [*(c for c, _ in NUMBERS), "efficiency", "efficiency_vs"]
-    columns += ["wall_s", "git_commit", "command", "error"]
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+    attempt("chart", lambda: chart(ladder, rows, env, stem.with_suffix(".png")))
+    result = {"environment": env, "steps": rows, "segments": list(segments)}
+    attempt("json", lambda: stem.with_suffix(".json").write_text(
+        json.dumps({**result, "report_errors": errors}, indent=2)
+    ))  # fmt: skip
+    print(f"[ablate] results: {stem}.{{md,csv,json,png}}", flush=True)
+    return errors
+
+
+CSV_COLUMNS = [
+    "index", "name", "what", "status", "stages", "nproc", "nnodes", "gpus", "strategy",
+    *(c for c, _ in NUMBERS), "repeats", "ratio", "ratio_vs", "within_noise",
+    "efficiency", "efficiency_vs", "wall_s", "git_commit", "command", "error",
+]  # fmt: skip
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "stages": "+".join(row["stages"])})
-    stem.with_suffix(".md").write_text(markdown(ladder, rows, env))
-    chart(ladder, rows, env, stem.with_suffix(".png"))
-    print(f"[ablate] results: {stem}.{{md,csv,json,png}}", flush=True)
+
+
+def earlier_results(path: Path) -> tuple[dict[str, dict], list[dict]]:
+    """The rows (by step name) and segments of an earlier call, which this one updates."""
+    if not path.exists():
+        return {}, []
+    result = json.loads(path.read_text())
+    return {r["name"]: r for r in result["steps"]}, result.get("segments", [])
 
 
 def main(argv: list[str]) -> list[dict]:
@@ -442,29 +755,54 @@ def main(argv: list[str]) -> list[dict]:
         cfg = compose("ablate", overrides=argv)
     ladder = cfg.ladder
     plans = step_plans(ladder)
-    names = [p["name"] for p in plans]
-    wanted = list(cfg.steps) if cfg.steps else names
-    unknown = sorted(set(wanted) - set(names))
-    if unknown:
-        raise SystemExit(f"steps {unknown} are not in ladder {ladder.name}: {names}")
+    chosen, anchor = selection(cfg, plans)
+    repeats = repeat_count(cfg, ladder)
     folder = Path(cfg.out_dir) / slug(device_name())
-    previous = folder / f"{ladder.name}.json"
-    kept = (
-        {r["name"]: r for r in json.loads(previous.read_text())["steps"]}
-        if previous.exists()
-        else {}
-    )
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    runs_dir = Path(cfg.runs_dir).resolve() / f"{ladder.name}-{stamp}"
+    kept, segments = earlier_results(folder / f"{ladder.name}.json")
+    call = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")  # unique per call
+    runs_dir = Path(cfg.runs_dir).resolve() / f"{ladder.name}-{call}"
     env = environment(["python", "scripts/ablate.py", *argv])
-    for plan in plans:
-        if plan["name"] in wanted:
-            kept[plan["name"]] = run_step(plan, ladder, cfg, runs_dir)
-            rows = [kept[p["name"]] for p in plans if p["name"] in kept]
-            publish(
-                ladder, rows, env, folder
-            )  # after every step: a killed ladder keeps its results
-    print(OmegaConf.to_yaml({r["name"]: r["status"] for r in rows}), flush=True)
+    print(
+        f"[ablate] {ladder.name}: {len(chosen)} steps"
+        + (f" after anchor {anchor['name']}" if anchor else "")
+        + f", {repeats} run(s) each, interleaved",
+        flush=True,
+    )
+    measured = ([anchor] if anchor else []) + chosen
+    runs: dict[str, list[dict]] = {p["name"]: [] for p in measured}
+    segment: dict[str, Any] = {
+        "call": call,
+        "steps": [p["name"] for p in chosen],
+        "repeats": repeats,
+        "command": env.get("command"),
+        "anchor": None,  # the anchor's row, once it ran
+    }
+    errors: list[str] = []
+    for repeat, plan in interleaved(measured, repeats):
+        done = runs[plan["name"]]
+        if done and done[-1]["status"] != "ok":
+            continue  # a step that failed, ran out of memory or timed out is not tried again
+        done.append(run_step(plan, ladder, cfg, runs_dir, repeat if repeats > 1 else None))
+        for p in chosen:
+            if runs[p["name"]]:
+                kept[p["name"]] = aggregate(runs[p["name"]], call)
+        if anchor and runs[anchor["name"]]:
+            segment["anchor"] = aggregate(runs[anchor["name"]], call)
+            own = kept.get(anchor["name"])
+            if own is None or own.get("call") == call:  # no row of its own yet: this is it
+                kept[anchor["name"]] = segment["anchor"]
+        rows = [kept[p["name"]] for p in plans if p["name"] in kept]
+        # The segments some row still comes from, this one last (its anchor stands in for rows
+        # of earlier calls).
+        calls = {r.get("call") for r in rows}
+        segments = [s for s in segments if s["call"] in calls and s["call"] != call]
+        # After every run: a killed ladder keeps its results.
+        errors = publish(ladder, rows, env, folder, [*segments, segment])
+    with contextlib.suppress(Exception):  # a table that cannot be made is in `errors` already
+        table = markdown(ladder, rows, env, [*segments, segment])
+        print("\n" + table.split("\n## ")[0], flush=True)  # the table, without the environment
+    if errors:
+        raise SystemExit(f"ablate.py: every step ran, but some results were not written: {errors}")
     return rows
 
 
