@@ -152,7 +152,7 @@ class LoopMeter:
     def start(self) -> None:
         """Steps begin: at the loop's start, and after work that is not a step."""
         self.timer.start()
-        if self._loop_start is None:  # after the first evaluation's sync: the GPU is idle
+        if self._loop_start is None:  # after step 0's evaluation (its .item() syncs): GPU idle
             since_launch = seconds_since_launch()
             self._loop_start = self.clock() - self.started if since_launch is None else since_launch
         self._stretch = (self.energy(), len(self.wait_ms)) if self.energy else None
@@ -270,7 +270,7 @@ def energy_counter(device: torch.device) -> Callable[[], float] | None:
         index = torch.cuda._get_nvml_device_index(device)  # CUDA_VISIBLE_DEVICES taken into account
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # raises where there is no counter
-    except (pynvml.NVMLError, RuntimeError) as e:
+    except (pynvml.NVMLError, RuntimeError, ValueError) as e:  # torch: an unmapped device
         log(f"[perf] no energy counter on {device} ({e}): joules_per_token is null")
         return None
     return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3

@@ -5,6 +5,7 @@ the compile cache's warm start across two launches."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,7 +17,8 @@ import torch
 
 import recipe.metrics
 import train as train_module
-from conftest import ROOT, TINY, logged, tiny_run
+from conftest import ROOT, TINY, logged, make_cfg, tiny_run
+from opt.compile import apply_compile
 from recipe.metrics import LoopMeter, energy_counter
 
 CPU = torch.device("cpu")
@@ -185,6 +187,19 @@ def test_data_wait_is_the_loaders_delay_and_cpu_runs_have_no_joules(tmp_path, mo
     saved = json.loads((tmp_path / "summary.json").read_text())
     keys = {"first_step_s", "compile_s", "goodput", "data_wait_ms", "joules_per_token"}
     assert keys <= set(saved)  # the ablation harness copies them into its rows
+
+
+def test_compile_cache_dir_is_inductors(monkeypatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # restored after the test
+    knobs = make_cfg("+opt=compile").opt.compile
+    assert knobs.cache_dir == f"{os.environ['GPT2_RECIPE_CACHE']}/inductor"  # beside the data
+    knobs.cache_dir = "~/kernels"
+    apply_compile(torch.nn.Linear(2, 2), knobs)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path.home() / "kernels")
+    knobs.cache_dir = None  # Inductor's own default: left alone
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    apply_compile(torch.nn.Linear(2, 2), knobs)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
 
 
 def _compiled_launch(run_dir: Path, cache_dir: Path) -> dict:
