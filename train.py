@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,7 @@ from model import GPT, GPTConfig
 from recipe import checkpoint, config, distributed, generate, launch, rundir
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import peak_flops
-from recipe.metrics import (
-    MetricLogger,
-    StepTimer,
-    memory_gib,
-    reset_memory_peaks,
-    summarize,
-    throughput,
-)
+from recipe.metrics import LoopMeter, MetricLogger, memory_gib, reset_memory_peaks
 from recipe.profiling import Profiler
 from recipe.schedule import learning_rate, set_learning_rate
 
@@ -162,6 +156,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     """Runs one training job; returns its summary (also written to `summary.json`).
     `overrides` is the command line that built `cfg`: saved with the run, so that a resume needs
     only `train.resume=true` (and whatever it changes)."""
+    started = time.perf_counter()  # goodput's wall time counts from here
     # ---- setup: the config (on resume the saved run's, with these overrides on top), checked
     # before any work; processes and stages; the run folder; the checkpoint; profiling; seed
     overrides = list(overrides)
@@ -241,15 +236,17 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     )
 
     # ---- the loop. Nothing in it waits for the GPU except at log, eval and checkpoint steps.
-    timer = StepTimer(dist.device)
+    meter = LoopMeter(
+        dist.device, batches, perf_args, start_step=start_step, started=started,
+        measure_from=start_step + cfg.perf.warmup_steps, compiled="compile" in plan.stages,
+    )  # fmt: skip
     loss_sum = torch.zeros((), device=dist.device)  # summed on the device: no .item() per step
-    window_micro_steps, step_ms_measured = 0, []
-    measure_from = start_step + cfg.perf.warmup_steps  # the first step the summary times
+    window_micro_steps = 0
     step = start_step
     if step == 0:
         logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
     with checkpoint.StopSignal() as stop:
-        timer.start()
+        meter.start()
         while step < max_steps:
             lr = learning_rate(
                 step, lr=cfg.train.lr, min_lr=cfg.train.min_lr,
@@ -261,15 +258,13 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                 train_model, optimizer, scaler, inputs, targets, plan, cfg.train.grad_clip, guard
             )
             loss_sum += losses
-            timer.step()
+            meter.step()
             profiler.step()
             window_micro_steps += plan.micro_steps
             step += 1
 
             if step % log_interval == 0 or step == max_steps:
-                step_ms = timer.read_ms()  # waits for the GPU to finish the logged steps
-                window_start = step - len(step_ms)
-                step_ms_measured += step_ms[max(0, measure_from - window_start) :]
+                perf = meter.window()  # waits for the GPU to finish the logged steps
                 scale = scaler.get_scale() if scaler.is_enabled() else None
                 logger.log(
                     {
@@ -277,23 +272,23 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                         "train/lr": lr,
                         "train/grad_norm": grad_norm.item(),
                         **guard.check(step, scale),  # stops the run after too many bad steps
-                        **throughput(step_ms, **perf_args),
+                        **perf,
                         **memory_gib(dist.device),
                     },
                     step,
                 )
                 loss_sum.zero_()
                 window_micro_steps = 0
-                timer.start()
+                meter.start()
             if step % cfg.train.eval_interval == 0 or step == max_steps:
                 logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
-                timer.start()
+                meter.start()
             stopping = dist.any_one_step_late(stop.requested)  # no barrier: agreed a step later
             every = cfg.train.checkpoint_interval
             if (every and (step % every == 0 or step == max_steps)) or stopping:
                 run_state["samples"] = start_sample + (step - start_step) * samples_per_step
                 checkpoint.save(run_dir, dist, model, optimizer, scaler, step, run_state)
-                timer.start()
+                meter.start()
             if stopping:
                 launch.mark_saved_on_stop(dist.rank)  # for recipe/launch.py's exit code
                 break
@@ -305,8 +300,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         "step": step, "stages": plan.stages, "completed": step == max_steps,
         "stopped_by": stop.signal,  # SIGTERM or SIGINT: a sweep then stops (recipe/launch.py)
     }  # fmt: skip
-    if step_ms_measured:
-        summary |= summarize(step_ms_measured, **perf_args) | memory_gib(dist.device)
+    summary |= meter.summary() | memory_gib(dist.device)  # perf: the measured steps, cold start
     if step == max_steps and cfg.sample.num_samples:  # every rank samples: FSDP needs them all
         s = cfg.sample
         texts = generate.sample(

@@ -8,6 +8,7 @@ for inputs, targets in DeviceBatches(loader, device, o.non_blocking): ...
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -146,6 +147,8 @@ class DeviceBatches:
     waits until the GPU has drained its queue, so the CPU and the GPU take turns.
     Non-blocking: batches arrive pinned, and the next one is copied on a side stream while the
     current step computes; the compute stream waits only for that copy, never the CPU.
+    `wait_s` adds up the host's wall-clock wait for the loader's batches (not for the copies,
+    which in blocking mode wait for the GPU): the loop's `perf/data_wait_ms`, with no sync.
     """
 
     def __init__(self, loader: DataLoader, device: torch.device, non_blocking: bool) -> None:
@@ -153,7 +156,16 @@ class DeviceBatches:
         self.device, self.non_blocking = device, non_blocking
         cuda = non_blocking and device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
-        self.ready = self._copy(next(self.batches, None)) if non_blocking else None
+        self.wait_s = 0.0
+        self.ready = self._copy(self._next(None)) if non_blocking else None
+
+    def _next(self, *default: None) -> torch.Tensor | None:
+        """`next(self.batches, *default)`, its wait added to `wait_s`."""
+        begin = time.perf_counter()
+        try:
+            return next(self.batches, *default)
+        finally:
+            self.wait_s += time.perf_counter() - begin
 
     def _copy(self, batch: torch.Tensor | None) -> torch.Tensor | None:
         if batch is None:  # the loader is exhausted (a finite validation loader)
@@ -168,7 +180,7 @@ class DeviceBatches:
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.non_blocking:
-            batch = self._copy(next(self.batches))
+            batch = self._copy(self._next())
         else:
             batch = self.ready
             if batch is None:
@@ -177,5 +189,5 @@ class DeviceBatches:
                 compute_stream = torch.cuda.current_stream(self.device)
                 compute_stream.wait_stream(self.copy_stream)
                 batch.record_stream(compute_stream)  # keep its memory until the step is done
-            self.ready = self._copy(next(self.batches, None))
+            self.ready = self._copy(self._next(None))
         return batch[:, :-1], batch[:, 1:]

@@ -12,9 +12,16 @@ activations through memory.
   compiles faster and keeps the boundaries that DDP/FSDP overlap communication on.
 Everything compiles in place (`nn.Module.compile` for the whole model, a method replaced on the
 instance for the pieces): the module and its parameter names stay the same.
+
+Warm start: `cache_dir` is Inductor's on-disk cache (FX graphs, AOTAutograd graphs, generated
+kernels, Triton's binaries and tuning). A second launch with the same code, shapes and torch finds
+its graphs there and skips the compilation (summary.json: `compile_s`, `compile_warm`).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 import torch._dynamo
@@ -41,6 +48,8 @@ def apply_compile(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False
     import torch._inductor.config as inductor_config
 
     inductor_config.coordinate_descent_tuning = cfg.coordinate_descent
+    if cfg.cache_dir:  # read by Inductor when it compiles (lazily, at the first step)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cfg.cache_dir).expanduser())
     # Inductor's modes; other backends take none.
     options = {"backend": cfg.backend, "mode": cfg.mode if cfg.backend == "inductor" else None}
     if cfg.scope == "model" and not sharded:
@@ -58,7 +67,8 @@ def apply_compile(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False
         pieces = "each block"
     log(
         f"[opt] compile: {pieces}; mode={cfg.mode}, backend={cfg.backend}, scope={cfg.scope}, "
-        f"fullgraph={cfg.fullgraph}, coordinate_descent={cfg.coordinate_descent}"
+        f"fullgraph={cfg.fullgraph}, coordinate_descent={cfg.coordinate_descent}, "
+        f"cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')}"
     )
 
 

@@ -3,7 +3,10 @@ console line, `metrics.jsonl` in the run folder, and wandb (offline unless you a
 
 Metric names (the same everywhere):
     step, train/loss, val/loss, train/lr, train/grad_norm, train/skipped_steps,
-    perf/tokens_per_sec, perf/mfu (%), perf/step_ms, mem/peak_allocated_gib, mem/peak_reserved_gib
+    perf/tokens_per_sec, perf/mfu (%), perf/step_ms, perf/data_wait_ms, perf/joules_per_token,
+    mem/peak_allocated_gib, mem/peak_reserved_gib
+The run's summary adds first_step_s, compile_s, compile_warm, goodput, data_wait_ms and
+joules_per_token (LoopMeter.summary).
 """
 
 from __future__ import annotations
@@ -12,11 +15,15 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
+
+from recipe.distributed import log
+from recipe.rundir import seconds_since_launch
 
 GiB = 1024**3
 
@@ -25,14 +32,16 @@ class StepTimer:
     """Times optimizer steps. On a GPU it records a CUDA event after each step and reads them
     only when asked, at log points, so timing adds no synchronisation to the loop."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    def __init__(
+        self, device: torch.device, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.cuda, self.clock = device.type == "cuda", clock  # the clock on a CPU (tests: a fake)
         self._pending: list[tuple[Any, Any]] = []
         self._last: Any = None
 
     def _mark(self) -> Any:
         if not self.cuda:
-            return time.perf_counter()
+            return self.clock()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -105,6 +114,166 @@ def summarize(step_ms: list[float], **kwargs: Any) -> dict[str, float | None]:
     out["perf/tokens_per_sec_p10"] = slow["perf/tokens_per_sec"]
     out["perf/measured_steps"] = len(step_ms)
     return out
+
+
+class LoopMeter:
+    """The training loop's measurements, kept out of the loop: step times (StepTimer), the host's
+    wait for batches (`batches.wait_s`, data.DeviceBatches), the GPU's energy, and the run's cold
+    start and goodput. The loop calls `start()` when steps begin (and again after work that is
+    not a step: an evaluation, a checkpoint), `step()` after each step, `window()` at log points
+    (its only sync) and `summary()` at the end. Steps from `measure_from` on are the summary's.
+    `started`: `clock()` at train()'s start, where goodput's wall time begins."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        batches: Any,
+        perf_args: dict[str, Any],
+        *,
+        start_step: int,
+        measure_from: int,
+        compiled: bool,
+        started: float,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.timer = StepTimer(device, clock)
+        self.batches, self.perf_args, self.clock = batches, perf_args, clock
+        self.compiled, self.started = compiled, started
+        self.first_measured = max(0, measure_from - start_step)  # its index in step_ms
+        self.step_ms: list[float] = []  # each step of this process, read at log points
+        self.wait_ms: list[float] = []  # the host's wait for each step's batch
+        self.energy = energy_counter(device)  # joules so far, or None
+        self._waited = batches.wait_s
+        self._loop_start: float | None = None  # seconds from launch to the first start()
+        self._stretch: tuple[float, int] | None = None  # (joules, steps) at the last start()
+        self._measured_joules, self._measured_steps = 0.0, 0
+        self._cache = compile_cache_counts()
+
+    def start(self) -> None:
+        """Steps begin: at the loop's start, and after work that is not a step."""
+        self.timer.start()
+        if self._loop_start is None:  # after step 0's evaluation (its .item() syncs): GPU idle
+            since_launch = seconds_since_launch()
+            self._loop_start = self.clock() - self.started if since_launch is None else since_launch
+        self._stretch = (self.energy(), len(self.wait_ms)) if self.energy else None
+
+    def step(self) -> None:
+        self.timer.step()
+        self.wait_ms.append((self.batches.wait_s - self._waited) * 1e3)
+        self._waited = self.batches.wait_s
+
+    def window(self) -> dict[str, float | None]:
+        """The steps since the last log: throughput, the host's mean wait for a batch, joules per
+        token. Waits for the GPU to finish them."""
+        step_ms = self.timer.read_ms()
+        self.step_ms += step_ms
+        return {
+            **throughput(step_ms, **self.perf_args),
+            "perf/data_wait_ms": statistics.fmean(self.wait_ms[-len(step_ms) :]),
+            "perf/joules_per_token": self._joules_per_token(),
+        }
+
+    def _joules_per_token(self) -> float | None:
+        """Over the steps since the last `start()`, read after a sync (work between two starts,
+        an evaluation, is left out); the stretches wholly measured add up for the summary. This
+        GPU's energy per token it trained on: the ranks alike."""
+        if self._stretch is None or len(self.wait_ms) == self._stretch[1]:
+            return None
+        (joules, first), self._stretch = self._stretch, None
+        joules, steps = self.energy() - joules, len(self.wait_ms) - first
+        if first >= self.first_measured:
+            self._measured_joules += joules
+            self._measured_steps += steps
+        return joules / self._tokens(steps)
+
+    def _tokens(self, steps: int) -> float:
+        return steps * self.perf_args["tokens_per_step"] / self.perf_args["world_size"]
+
+    def summary(self) -> dict[str, Any]:
+        """The run's numbers for summary.json: throughput over the measured steps, cold start,
+        goodput, the host's mean wait for a batch and joules per token over the measured steps."""
+        self.step_ms += self.timer.read_ms()  # steps after the last log (a stop) ran too
+        measured = self.step_ms[self.first_measured :]
+        out: dict[str, Any] = summarize(measured, **self.perf_args) if measured else {}
+        steady = statistics.median(measured or self.step_ms[1:]) if len(self.step_ms) > 1 else None
+        wall_s = self.clock() - self.started
+        out |= cold_start(self.step_ms, steady, self._loop_start, wall_s, self.compiled)
+        out["compile_warm"] = compile_warm(self._cache) if self.compiled else None
+        waits = self.wait_ms[self.first_measured :]
+        out["data_wait_ms"] = statistics.fmean(waits) if waits else None
+        tokens = self._tokens(self._measured_steps)
+        out["joules_per_token"] = self._measured_joules / tokens if tokens else None
+        return out
+
+
+def cold_start(
+    step_ms: list[float],
+    steady_ms: float | None,
+    loop_start_s: float | None,
+    wall_s: float,
+    compiled: bool,
+) -> dict[str, float | None]:
+    """`first_step_s`: from the launch to the end of the first step (the loop's start, then the
+    first step's timed length); `compile_s`: the first step's excess over a steady step (`None`
+    unless compiled); `goodput`: the time in steps, the first counted as a steady one, over the
+    wall time `wall_s` since train() began (evaluation, checkpoints, compile, setup are the
+    rest). Without a steady step (a single step) the last two are None."""
+    first_ms = step_ms[0] if step_ms else None
+    out = {"first_step_s": None, "compile_s": None, "goodput": None}
+    if first_ms is not None and loop_start_s is not None:
+        out["first_step_s"] = loop_start_s + first_ms / 1e3
+    if first_ms is not None and steady_ms is not None:
+        excess_ms = max(0.0, first_ms - steady_ms)
+        out["compile_s"] = excess_ms / 1e3 if compiled else None
+        out["goodput"] = (sum(step_ms) - excess_ms) / 1e3 / wall_s
+    return out
+
+
+# Dynamo's counters of the on-disk compile caches (FX graphs, AOTAutograd): hits and misses.
+_CACHE_COUNTERS = {
+    "hits": (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit")),
+    "misses": (("inductor", "fxgraph_cache_miss"), ("aot_autograd", "autograd_cache_miss")),
+}
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """Hits and misses of the compile caches so far in this process (dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        kind: sum(counters[group][name] for group, name in keys)
+        for kind, keys in _CACHE_COUNTERS.items()
+    }
+
+
+def compile_warm(before: dict[str, int]) -> bool | None:
+    """Whether every compilation since `before` came from the cache (a warm start); None when
+    nothing compiled since."""
+    now = compile_cache_counts()
+    hits, misses = (now[kind] - before[kind] for kind in ("hits", "misses"))
+    return None if hits + misses == 0 else misses == 0
+
+
+def energy_counter(device: torch.device) -> Callable[[], float] | None:
+    """A reader of the GPU's energy counter in joules (NVML's, in mJ since the driver loaded;
+    `pip install nvidia-ml-py`, the `gpu` extra), or None on a CPU, without pynvml, or where the
+    GPU has none (before Volta, MIG slices). Read only at the loop's sync points."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        log("[perf] no pynvml (pip install nvidia-ml-py): joules_per_token is null")
+        return None
+    try:
+        pynvml.nvmlInit()
+        index = torch.cuda._get_nvml_device_index(device)  # CUDA_VISIBLE_DEVICES taken into account
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # raises where there is no counter
+    except (pynvml.NVMLError, RuntimeError, ValueError) as e:  # torch: an unmapped device
+        log(f"[perf] no energy counter on {device} ({e}): joules_per_token is null")
+        return None
+    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
 
 
 # How each metric appears on the console: label and format.

@@ -92,10 +92,30 @@ def removed_on_failure(path: Path) -> Iterator[None]:
         raise
 
 
+def _launcher() -> int:
+    """The launching process: the torchrun agent (shared by its ranks), else this process."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+
+
+def _start_ticks(pid: int) -> int:
+    """When process `pid` started, in clock ticks since boot (Linux /proc)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def seconds_since_launch() -> float | None:
+    """Seconds since the launching process started, None without /proc. On the kernel's boot
+    clock, which /proc counts in: 10 ms ticks (the epoch-based `_start_time` is whole seconds)."""
+    try:
+        ticks = _start_ticks(_launcher())
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _start_time(pid: int) -> float | None:
     """When process `pid` started (Linux /proc), in seconds since the epoch."""
     try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        ticks = _start_ticks(pid)
         boot = next(
             int(line.split()[1])
             for line in Path("/proc/stat").read_text().splitlines()
@@ -108,7 +128,7 @@ def _start_time(pid: int) -> float | None:
 
 def launch_stamp() -> str:
     """`<date>/<time>-<pid>` of the launching process: the Hydra resolver `${launch:}`."""
-    launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    launcher = _launcher()
     started = _start_time(launcher) or time.time()
     return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(started)) + f"-{launcher}"
 

@@ -1,0 +1,225 @@
+"""The loop's cost measurements (recipe/metrics.py's LoopMeter): cold start, compile seconds and
+goodput from a fake clock, the host's wait for batches, joules per token from a fake NVML, and
+the compile cache's warm start across two launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import recipe.metrics
+import train as train_module
+from conftest import ROOT, TINY, logged, make_cfg, tiny_run
+from opt.compile import apply_compile
+from recipe.metrics import LoopMeter, energy_counter
+
+CPU = torch.device("cpu")
+PERF_ARGS = dict(tokens_per_step=128, flops_per_token=1.0, peak_flops=None, world_size=1)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeBatches:
+    """What LoopMeter reads of data.DeviceBatches: the host's total wait for batches."""
+
+    wait_s = 0.0
+
+
+def _meter(clock: FakeClock, batches: FakeBatches, **kwargs) -> LoopMeter:
+    args = dict(start_step=0, measure_from=2, compiled=True, started=clock())
+    return LoopMeter(CPU, batches, PERF_ARGS, clock=clock, **(args | kwargs))
+
+
+def _run_steps(meter: LoopMeter, clock: FakeClock, seconds: list[float], wait_s: float) -> None:
+    for s in seconds:
+        meter.batches.wait_s += wait_s
+        clock.now += s
+        meter.step()
+
+
+def test_first_step_compile_and_goodput_from_a_fake_clock(monkeypatch) -> None:
+    monkeypatch.setattr(recipe.metrics, "seconds_since_launch", lambda: 5.0)
+    clock, batches = FakeClock(), FakeBatches()
+    meter = _meter(clock, batches)
+    clock.now = 2.0  # setup: data, model, the first evaluation
+    meter.start()
+    _run_steps(meter, clock, [1.0, 0.1, 0.1, 0.1, 0.1], wait_s=0.02)  # the first step compiles
+    window = meter.window()
+    assert window["perf/step_ms"] == pytest.approx(1400 / 5)
+    assert window["perf/data_wait_ms"] == pytest.approx(20)
+    clock.now += 1.0  # an evaluation: not a step
+    meter.start()
+    _run_steps(meter, clock, [0.1, 0.1, 0.1, 0.1], wait_s=0.02)
+    meter.window()
+    clock.now += 0.5  # the final checkpoint
+    summary = meter.summary()
+    assert summary["perf/measured_steps"] == 7  # steps 2..8
+    assert summary["perf/step_ms"] == pytest.approx(100)
+    assert summary["first_step_s"] == pytest.approx(5.0 + 1.0)  # launch -> loop, then the step
+    assert summary["compile_s"] == pytest.approx(0.9)  # 1.0 s against a steady 0.1 s
+    wall = 2.0 + 1.4 + 1.0 + 0.4 + 0.5
+    assert summary["goodput"] == pytest.approx(9 * 0.1 / wall)  # the first step as a steady one
+    assert summary["data_wait_ms"] == pytest.approx(20)
+    assert summary["compile_warm"] is None  # nothing compiled
+    assert summary["joules_per_token"] is None  # no GPU
+
+
+def test_first_step_counts_from_train_without_proc_and_compile_needs_compile(monkeypatch) -> None:
+    monkeypatch.setattr(recipe.metrics, "seconds_since_launch", lambda: None)
+    clock, batches = FakeClock(), FakeBatches()
+    clock.now = 10.0
+    meter = _meter(clock, batches, compiled=False, start_step=100, measure_from=101)
+    clock.now += 3.0
+    meter.start()
+    _run_steps(meter, clock, [0.5, 0.2, 0.2], wait_s=0.0)
+    summary = meter.summary()  # a stop before the first log: the steps are read here
+    assert summary["perf/measured_steps"] == 2
+    assert summary["first_step_s"] == pytest.approx(3.5)
+    assert summary["compile_s"] is None
+    assert summary["goodput"] == pytest.approx(0.6 / 3.9)
+    assert summary["data_wait_ms"] == 0
+
+
+class FakeNVML(types.ModuleType):
+    """pynvml's calls that recipe.metrics makes; the counter in millijoules, as NVML's."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, supported: bool = True) -> None:
+        super().__init__("pynvml")
+        self.millijoules, self.supported, self.handles = 0, supported, []
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        self.handles.append(index)
+        return f"gpu{index}"
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:
+        if not self.supported:
+            raise self.NVMLError("Not Supported")
+        return self.millijoules
+
+
+def test_joules_per_token_from_nvmls_energy_counter(monkeypatch) -> None:
+    nvml = FakeNVML()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    clock, batches = FakeClock(), FakeBatches()
+    meter = _meter(clock, batches)  # on the CPU: its step timer; the GPU's energy from the fake
+    meter.energy = energy_counter(torch.device("cuda", 0))
+    assert nvml.handles == [0]
+
+    def steps(n: int, joules_each: float) -> None:
+        for _ in range(n):
+            nvml.millijoules += int(joules_each * 1e3)
+            clock.now += 0.1
+            meter.step()
+
+    meter.start()
+    steps(2, joules_each=50.0)  # warm-up: left out of the summary
+    assert meter.window()["perf/joules_per_token"] == pytest.approx(50 / 128)
+    meter.start()
+    steps(4, joules_each=3.0)
+    assert meter.window()["perf/joules_per_token"] == pytest.approx(3 / 128)
+    meter.start()
+    nvml.millijoules += 99_000  # an evaluation between two starts: not a step's energy
+    meter.start()
+    steps(2, joules_each=5.0)
+    assert meter.window()["perf/joules_per_token"] == pytest.approx(5 / 128)
+    assert meter.summary()["joules_per_token"] == pytest.approx((4 * 3 + 2 * 5) / (6 * 128))
+
+
+def test_no_energy_counter_means_null(monkeypatch) -> None:
+    gpu = torch.device("cuda", 0)
+    assert energy_counter(CPU) is None
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(supported=False))  # e.g. a MIG slice
+    assert energy_counter(gpu) is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import fails
+    assert energy_counter(gpu) is None
+
+
+class SlowLoader:
+    """A loader whose every batch takes `sleep_s` to arrive."""
+
+    def __init__(self, loader, sleep_s: float) -> None:
+        self.loader, self.sleep_s = loader, sleep_s
+
+    def __iter__(self):
+        for batch in self.loader:
+            time.sleep(self.sleep_s)
+            yield batch
+
+
+def test_data_wait_is_the_loaders_delay_and_cpu_runs_have_no_joules(tmp_path, monkeypatch) -> None:
+    build_loaders = train_module.build_loaders
+
+    def slow_loaders(*args, **kwargs):
+        train_loader, val_loader = build_loaders(*args, **kwargs)
+        return SlowLoader(train_loader, sleep_s=0.03), val_loader
+
+    monkeypatch.setattr(train_module, "build_loaders", slow_loaders)
+    summary = tiny_run(
+        tmp_path, "train.max_steps=8", "train.log_interval=4", "perf.warmup_steps=2",
+        "sample.num_samples=0",
+    )  # fmt: skip
+    assert 30 <= summary["data_wait_ms"] < 45
+    assert all(30 <= ms < 45 for ms in logged(tmp_path, "perf/data_wait_ms"))
+    assert summary["joules_per_token"] is None
+    assert logged(tmp_path, "perf/joules_per_token") == [None, None]
+    assert summary["compile_s"] is None and summary["compile_warm"] is None
+    assert summary["first_step_s"] > 0 and 0 < summary["goodput"] < 1
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    keys = {"first_step_s", "compile_s", "goodput", "data_wait_ms", "joules_per_token"}
+    assert keys <= set(saved)  # the ablation harness copies them into its rows
+
+
+def test_compile_cache_dir_is_inductors(monkeypatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # restored after the test
+    knobs = make_cfg("+opt=compile").opt.compile
+    assert knobs.cache_dir == f"{os.environ['GPT2_RECIPE_CACHE']}/inductor"  # beside the data
+    knobs.cache_dir = "~/kernels"
+    apply_compile(torch.nn.Linear(2, 2), knobs)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path.home() / "kernels")
+    knobs.cache_dir = None  # Inductor's own default: left alone
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    apply_compile(torch.nn.Linear(2, 2), knobs)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+
+
+def _compiled_launch(run_dir: Path, cache_dir: Path) -> dict:
+    """`python train.py <TINY> +opt=compile ...` in its own process: a real second launch."""
+    command = [
+        sys.executable, "train.py", *TINY, "+opt=compile", f"opt.compile.cache_dir={cache_dir}",
+        "train.max_steps=4", "train.log_interval=2", "perf.warmup_steps=1",
+        "opt.compile.scope=block", "sample.num_samples=0", "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+    ]  # fmt: skip
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_second_launch_compiles_from_the_cache(tmp_path) -> None:
+    cache = tmp_path / "inductor"
+    cold = _compiled_launch(tmp_path / "cold", cache)
+    warm = _compiled_launch(tmp_path / "warm", cache)
+    assert (cache / "fxgraph").is_dir()
+    assert cold["compile_warm"] is False and warm["compile_warm"] is True
+    assert warm["compile_s"] < cold["compile_s"] / 2
+    assert warm["first_step_s"] < cold["first_step_s"]
