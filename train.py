@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ def build_optimizer(
     model: torch.nn.Module,
     cfg: DictConfig,
     impl: dict,
-    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
 ) -> torch.optim.Optimizer:
     """AdamW (or +opt=lowbit's) with weight decay on the 2-D weights (matmuls, embeddings) only."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -226,8 +227,10 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         config={**resolved, "stages": plan.stages, "world_size": dist.world_size,
                 "tokens_per_step": tokens_per_step},
     )  # fmt: skip
-    run_state = {"config": resolved, "model_config": dataclasses.asdict(model.config),
-                 "stages": plan.stages, "wandb_id": logger.wandb_id}  # fmt: skip
+    run_state: dict[str, Any] = {
+        "config": resolved, "model_config": dataclasses.asdict(model.config),
+        "stages": plan.stages, "wandb_id": logger.wandb_id,
+    }  # fmt: skip
     del resumed
     distributed.log(
         f"[train] {run_name}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "

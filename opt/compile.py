@@ -16,6 +16,8 @@ instance for the pieces): the module and its parameter names stay the same.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch._dynamo
 from omegaconf import DictConfig
@@ -62,7 +64,7 @@ def apply_compile(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False
     )
 
 
-def _compile_method(owner: object, name: str, **options: object) -> None:
+def _compile_method(owner: object, name: str, **options: Any) -> None:
     """Replaces the bound method `owner.<name>` with its compiled version, on the instance.
     A module's hooks (FSDP's) stay outside the graph, and a block's `forward` that activation
     checkpointing replaced is traced through `checkpoint` (compiling the module itself would

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -56,7 +57,7 @@ def _update_compiled_once(base: type[torch.optim.Optimizer]) -> type[torch.optim
     update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
 
     @torch.no_grad()
-    def step(self: torch.optim.Optimizer, closure: Callable[[], float] | None = None):
+    def step(self: Any, closure: Callable[[], float] | None = None):  # torchao's class: untyped
         loss = None
         if closure is not None:
             with torch.enable_grad():

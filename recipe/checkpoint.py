@@ -233,7 +233,7 @@ def restore(
     RNG states (rank modulo the saved ranks, when there are now more)."""
     if "sharded" in state:
         model_state, optim_state = get_state_dict(model, optimizer)
-        loaded = {"model": model_state, "optimizer": optim_state}
+        loaded: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
         dcp.load(loaded, checkpoint_id=state["sharded"])
         set_state_dict(
             model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]

@@ -12,6 +12,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +137,7 @@ class MetricLogger:
         run_name: str,
         config: dict,
         wandb_id: str | None = None,
-        history: list[dict[str, Any]] = (),
+        history: Sequence[dict[str, Any]] = (),
     ) -> None:
         self.enabled, self.max_steps = enabled, max_steps
         self._origin: tuple[float, int] | None = None  # (time, step) of the first log, for the ETA
@@ -214,7 +215,7 @@ def _init_wandb(run_dir: Path, cfg: DictConfig, name: str, config: dict, run_id:
     def start(mode: str) -> Any:
         settings = wandb.Settings(console="off", quiet=True, init_timeout=cfg.init_timeout_s)
         return wandb.init(
-            project=cfg.project, group=cfg.group, name=name, mode=mode, config=config,
+            project=cfg.project, group=cfg.group, name=name, mode=mode, config=config,  # type: ignore[arg-type]
             dir=str(run_dir), id=run_id, resume="allow" if run_id else None, settings=settings,
         )  # fmt: skip
 

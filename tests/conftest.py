@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def wandb_calls(monkeypatch: pytest.MonkeyPatch) -> WandbCalls:
             calls.finished += 1
             return real_finish(*args, **rest)
 
-        run.log, run.finish = log, finish
+        run.log, run.finish = log, finish  # type: ignore[method-assign, assignment]
         return run
 
     monkeypatch.setattr(wandb, "init", init)
@@ -103,7 +104,7 @@ def wandb_calls(monkeypatch: pytest.MonkeyPatch) -> WandbCalls:
 
 
 def compiled_against_eager(
-    run_dir: Path, eager: list[str], compiled: list[str], rtol: float
+    run_dir: Path, eager: Sequence[str], compiled: Sequence[str], rtol: float
 ) -> dict:
     """Trains the tiny config with the `eager` overrides, then with the `compiled` ones (from a
     fresh dynamo state); their logged losses must agree within `rtol`. Returns dynamo's counters

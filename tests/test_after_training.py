@@ -27,7 +27,7 @@ QUIET = ("wandb.mode=disabled", "train.log_interval=1")
 
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)
     return module
 

@@ -22,7 +22,7 @@ from recipe.distributed import Distributed
 SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci/readme_commands.py")
-readme_commands = importlib.util.module_from_spec(spec)
+readme_commands = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
 spec.loader.exec_module(readme_commands)
 
 

@@ -13,7 +13,7 @@ from conftest import ROOT, python
 
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
-    module = importlib.util.module_from_spec(spec)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)
     return module
 
