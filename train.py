@@ -209,6 +209,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
 
     # ---- the run folder: its config, the metrics so far (on resume), the logger
     resolved = config.resolved(cfg, model.config)
+    run_state: dict[str, Any]  # saved with every checkpoint beside the weights (filled below)
     history = folder.cut_metrics(start_step) if folder and resumed else []
     if folder:
         config.save(run_dir, resolved, overrides)
@@ -227,10 +228,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         config={**resolved, "stages": plan.stages, "world_size": dist.world_size,
                 "tokens_per_step": tokens_per_step},
     )  # fmt: skip
-    run_state: dict[str, Any] = {
-        "config": resolved, "model_config": dataclasses.asdict(model.config),
-        "stages": plan.stages, "wandb_id": logger.wandb_id,
-    }  # fmt: skip
+    run_state = {"config": resolved, "model_config": dataclasses.asdict(model.config),
+                 "stages": plan.stages, "wandb_id": logger.wandb_id}  # fmt: skip
     del resumed
     distributed.log(
         f"[train] {run_name}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "
