@@ -1,41 +1,13 @@
-"""The report scripts: the recipe against nanoGPT from one device call, and the quality check."""
+"""The report scripts: the quality check (the recipe against nanoGPT: tests/test_vs_nanogpt.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 
 import pytest
 
 from conftest import ROOT, python
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)
-    return module
-
-
-NANOGPT = """nanoGPT bench.py batch 32 bias=False: 482,065 tokens/s (67.97 ms/step)
-nanoGPT bench.py batch 32 bias=True: 462,971 tokens/s (70.78 ms/step)
-"""
-
-
-def test_vs_nanogpt_compares_a_ladder_row_with_bench_py() -> None:
-    vs = _script("vs_nanogpt")
-    env = {"device": "NVIDIA H100 80GB HBM3", "git_commit": "abc", "date": "d", "torch": "2.11"}
-    row = {"name": "bs64", "status": "ok", "tokens_per_sec": 530_271.5, "mfu": 45.8,
-           "peak_allocated_gib": 26.3, "command": "python train.py ..."}  # fmt: skip
-    result = vs.compare(NANOGPT, {"environment": env, "steps": [row]}, "bs64")
-    assert result["nanogpt_tokens_per_sec"] == 482_065 and result["ratio"] == pytest.approx(1.1)
-    assert result["nanogpt_bias_tokens_per_sec"] == 462_971 and result["commit"] == "abc"
-    assert "**1.100**" in vs.markdown(result)
-    with pytest.raises(SystemExit, match="no bench.py number without biases"):
-        vs.compare("nanoGPT bench.py batch 32 bias=False: failed", {"steps": []}, "bs64")
-    with pytest.raises(SystemExit, match="'memmap' is not an ok row"):
-        vs.compare(NANOGPT, {"environment": env, "steps": [row]}, "memmap")
 
 
 @pytest.mark.slow

@@ -1,0 +1,108 @@
+"""README.md's measured numbers are rendered from docs/results/*/*.json by
+scripts/render_readme.py, never copied: a number edited by hand (or a results file updated
+without re-rendering) turns this test red, and rows measured with repeats show their interval,
+repeats and noise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("render_readme", ROOT / "scripts/render_readme.py")
+render_readme = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(render_readme)
+
+README = ROOT / "README.md"
+
+
+def test_readme_equals_a_fresh_render_of_the_results() -> None:
+    text = README.read_text()
+    kinds = {m["kind"] for m in render_readme.MARKER.finditer(text)}
+    assert kinds == set(render_readme.KINDS)  # every kind of table is in the README
+    assert render_readme.render(text) == text, "run: python scripts/render_readme.py"
+
+
+def test_a_number_edited_by_hand_fails_the_check(tmp_path: Path, capsys) -> None:
+    edited = README.read_text().replace("| 525,464 |", "| 535,464 |")
+    assert edited != README.read_text()
+    (tmp_path / "README.md").write_text(edited)
+    (tmp_path / "docs").symlink_to(ROOT / "docs")
+    assert render_readme.main(["--check", "--readme", str(tmp_path / "README.md")]) == 1
+    out = capsys.readouterr().out
+    assert "-| batch 64 | 535,464 |" in out and "+| batch 64 | 525,464 |" in out
+    assert render_readme.main(["--readme", str(tmp_path / "README.md")]) == 0  # re-rendered
+    assert (tmp_path / "README.md").read_text() == README.read_text()
+
+
+def _results(tmp_path: Path, name: str, steps: list[dict]) -> str:
+    path = tmp_path / "docs/results/gpu" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"environment": {}, "steps": steps}))
+    return str(path.relative_to(tmp_path))
+
+
+def _marked(kind: str, path: str) -> str:
+    return f"before <!-- results:{kind} {path} -->stale<!-- /results:{kind} --> after"
+
+
+def test_repeats_interval_and_noise_are_shown_and_missing_fields_are_dashes(tmp_path) -> None:
+    base = {"status": "ok", "git_commit": "a", "peak_allocated_gib": 15.0}
+    steps = [
+        {**base, "name": "memmap", "tokens_per_sec": 478_000.0},  # an old row: no repeats
+        {**base, "name": "custom_op", "tokens_per_sec": 482_000.0, "repeats": 3,
+         "interval": [480_100.0, 483_900.0], "within_noise": True},
+        {**base, "name": "residual_bf16", "tokens_per_sec": 512_000.0, "repeats": 3,
+         "interval": [510_000.0, 514_000.0], "within_noise": False, "git_commit": "b"},
+        {"name": "bs64", "status": "oom", "git_commit": "b"},  # no numbers at all
+        {**base, "name": "not_in_the_readme", "tokens_per_sec": 1.0},
+    ]  # fmt: skip
+    path = _results(tmp_path, "speed.json", steps)
+    rows = render_readme.render(_marked("speed", path), tmp_path).split("\n")
+    assert rows[0] == f"before <!-- results:speed {path} -->" and rows[-1].endswith(" after")
+    assert "| memmap loader, default compile mode | 478,000 | — | — | — | 15.0 |" in rows
+    custom_op = "`custom_op`: fused head + cross-entropy, our Triton kernel"
+    assert f"| {custom_op} | 482,000 | 480,100–483,900 | 3 | 1.01x (within noise) | 15.0 |" in rows
+    # Another commit: another call, perhaps another machine; the ratio says so.
+    bf16 = "| 512,000 | 510,000–514,000 | 3 | 1.06x (vs another call) | 15.0 |"
+    assert any(row.endswith(bf16) for row in rows)
+    assert "| batch 64 | — | — | — | — | — |" in rows
+    assert not any("not_in_the_readme" in r or "| 1 |" in r for r in rows)
+
+
+def test_memory_xl_is_relative_to_ac_and_marks_the_target(tmp_path: Path) -> None:
+    base = {"status": "ok", "git_commit": "a", "peak_reserved_gib": 16.0}
+    steps = [
+        {**base, "name": "ac", "tokens_per_sec": 30_000.0, "peak_allocated_gib": 33.0},
+        {**base, "name": "lowbit", "tokens_per_sec": 21_000.0, "peak_allocated_gib": 15.1,
+         "repeats": 3, "interval": {"low": 15_000.0, "high": 22_000.0}, "within_noise": False},
+    ]  # fmt: skip
+    path = _results(tmp_path, "memory_xl.json", steps)
+    text = render_readme.render(_marked("memory_xl", path) + _marked("xl_target", path), tmp_path)
+    lowbit = "**`lowbit`** (torchao AdamW8bit, stepped in backward) instead"
+    assert f"| {lowbit} | **15.10 GiB** | 21,000 | 15,000–22,000 | 3 | **0.70x** |" in text
+    target = "-->15.10 GiB at 0.70x of the checkpointed bf16 run (target: ≤ 20 GiB at ≥ 0.6x), "
+    assert target + "16.00 GiB reserved<!-- /results:xl_target -->" in text
+
+
+def test_vs_nanogpt_renders_the_new_schema(tmp_path: Path) -> None:
+    from test_vs_nanogpt import fake_result
+
+    path = tmp_path / "docs/vs_nanogpt.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(fake_result()))
+    text = render_readme.render(_marked("vs_nanogpt", "docs/vs_nanogpt.json"), tmp_path)
+    assert "Ours at its best (batch 64, biases, plain + custom_op, other math" in text
+    assert "| 64 | yes | plain | same (equal work) |" in text
+
+
+def test_a_wrong_marker_says_what_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="docs/nope.json not found: fix the path"):
+        render_readme.render(_marked("speed", "docs/nope.json"), tmp_path)
+    path = _results(tmp_path, "speed.json", [])
+    with pytest.raises(SystemExit, match="unknown kind 'sped'"):
+        render_readme.render(_marked("sped", path), tmp_path)

@@ -1,0 +1,206 @@
+"""scripts/vs_nanogpt.py: what bench.py and our runs print and write is parsed into tokens/s, the
+equal-work ratios and the headlines come from interleaved rounds with their intervals, the md
+states the batch, biases and math of every comparison, and the first-schema json still renders."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("vs_nanogpt", ROOT / "scripts/vs_nanogpt.py")
+vs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(vs)
+
+BENCH_OUTPUT = """Compiling model...
+0/10 loss: 10.9876
+9/10 loss: 9.1234
+0/20 loss: 9.0000
+19/20 loss: 8.0000
+time per iteration: 132.4000ms, MFU: 40.21%
+"""
+
+
+def test_bench_py_output_gives_tokens_per_sec() -> None:
+    assert vs.bench_tokens_per_sec(BENCH_OUTPUT, batch=64) == pytest.approx(64 * 1024 / 0.1324)
+    assert vs.bench_tokens_per_sec("Compiling model...\nTraceback ...", batch=64) is None
+
+
+def test_our_tokens_per_sec_is_the_mean_after_burn_in_as_bench_py(tmp_path: Path) -> None:
+    windows = [  # the first window holds the compilation: left out
+        {"step": 0, "val/loss": 10.9},
+        {"step": 10, "perf/tokens_per_sec": 1_000.0, "perf/step_ms": 5_000.0},
+        {"step": 20, "perf/tokens_per_sec": 400_000.0, "perf/step_ms": 80.0},
+        {"step": 30, "perf/tokens_per_sec": 500_000.0, "perf/step_ms": 64.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(w) + "\n" for w in windows))
+    (tmp_path / "summary.json").write_text(json.dumps({"perf/tokens_per_sec": 480_000.0}))
+    numbers = vs.ours_tokens_per_sec(tmp_path, warmup_steps=10)
+    tokens = 400_000 * 0.080 * 10 + 500_000 * 0.064 * 10  # 10 steps a window
+    assert numbers["tokens_per_sec"] == pytest.approx(tokens / (0.080 * 10 + 0.064 * 10))
+    assert numbers["tokens_per_sec_median"] == 480_000.0
+    empty = vs.ours_tokens_per_sec(tmp_path / "none", warmup_steps=10)  # a run that failed
+    assert empty == {"tokens_per_sec": None, "tokens_per_sec_median": None}
+
+
+def test_only_math_changing_overrides_mark_a_configuration() -> None:
+    assert vs.other_math(["opt.bs.batch_size=64", "data.loader=memmap"]) is None
+    assert vs.other_math(["opt.amp.residual=compute"]) == "bfloat16 residual stream"
+    plans = {c["name"]: c for c in vs.ours_configs([64], ["plain", "custom_op", "fastest"])}
+    assert plans["ours b64 plain"]["math"] is None and plans["ours b64 custom_op"]["math"] is None
+    assert plans["ours b64 fastest"]["math"] == "bfloat16 residual stream"
+    argv = plans["ours b64 custom_op"]["argv"]
+    assert "+opt=[bs,workers,non_blocking,compile,amp,tf32,fused,custom_op]" in argv
+    assert argv.index("opt.bs.batch_size=64") > argv.index("opt.bs.batch_size=32")  # last wins
+    assert "train.max_steps=30" in argv and "perf.warmup_steps=10" in argv
+
+
+def _config(name: str, side: str, batch: int, bias: bool, math: str | None = None) -> dict:
+    variant = {"variant": name.split()[-1]} if side == "ours" else {}
+    return {"name": name, "side": side, "batch": batch, "bias": bias, "math": math,
+            "what": "w", "command": f"python {name}", **variant}  # fmt: skip
+
+
+def fake_result() -> dict:
+    """Two batches of bench.py, ours plain and fastest at batch 64, three rounds; round 3 of
+    ours plain failed."""
+    configs = [
+        _config("bench.py b32", "nanogpt", 32, False),
+        _config("bench.py b64", "nanogpt", 64, False),
+        _config("bench.py b64 bias", "nanogpt", 64, True),
+        _config("ours b64 plain", "ours", 64, True),
+        _config("ours b64 fastest", "ours", 64, True, "bfloat16 residual stream"),
+    ]
+    tps = {
+        "bench.py b32": [480, 481, 479],
+        "bench.py b64": [495, 494, 496],
+        "bench.py b64 bias": [472, 470, 474],
+        "ours b64 plain": [500, 488, None],
+        "ours b64 fastest": [530, 528, 531],
+    }
+    runs = [
+        {"config": name, "repeat": r + 1, "tokens_per_sec": None if v is None else v * 1e3}
+        for r in range(3)
+        for name, values in tps.items()
+        for v in [values[r]]
+    ]
+    env = {"device": "NVIDIA H100 80GB HBM3", "date": "d", "torch": "2.11", "git_commit": "abc"}
+    return {"environment": env, "configs": configs, "runs": runs, "order": "rounds"}
+
+
+def test_ratios_pair_rounds_and_headlines_pick_each_side_at_its_best() -> None:
+    result = vs.summarize(fake_result())
+    configs = {c["name"]: c for c in result["configs"]}
+    assert configs["ours b64 plain"]["repeats"] == 2  # the failed round is left out
+    assert configs["bench.py b64"]["median"] == 495e3
+    assert configs["bench.py b64"]["interval"] == [494e3, 496e3]
+    # Only the same batch and biases: both of ours against bench.py b64 with biases.
+    assert [(r["ours"], r["nanogpt"]) for r in result["ratios"]] == [
+        ("ours b64 plain", "bench.py b64 bias"),
+        ("ours b64 fastest", "bench.py b64 bias"),
+    ]
+    plain = result["ratios"][0]  # per round: 500/472, 488/470 (round 3 failed)
+    assert plain["median"] == pytest.approx((500 / 472 + 488 / 470) / 2)
+    assert plain["interval"] == pytest.approx([488 / 470, 500 / 472])
+    assert plain["within_noise"] is False and plain["repeats"] == 2
+    head = result["headline"]
+    assert (head["ours"], head["nanogpt"]) == ("ours b64 fastest", "bench.py b64")
+    # The median of the per-round ratios 530/495, 528/494, 531/496: drift within a round cancels.
+    assert head["median"] == pytest.approx(531 / 496) and head["math"] == "bfloat16 residual stream"
+    same = result["headline_same_math"]
+    assert (same["ours"], same["nanogpt"], same["math"]) == ("ours b64 plain", "bench.py b64", None)
+    assert same["interval"] == pytest.approx([488 / 494, 500 / 495])
+    assert same["within_noise"] is True
+
+
+def test_markdown_states_batch_biases_math_and_noise() -> None:
+    result = vs.summarize(fake_result())
+    text = vs.headline(result)
+    assert "Ours at its best (batch 64, biases, plain + custom_op, other math: bfloat16" in text
+    assert "**1.071x (1.069–1.071, 3 rounds)**" in text
+    assert "fastest bench.py of the call (batch 64, no biases, bench.py's math: 495.0 K)" in text
+    assert "not equal work: biases on ours only; ours changes the math" in text
+    assert "Ours with bench.py's math (batch 64, biases, plain, bench.py's math" in text
+    assert "2 rounds, within noise)" in text
+    table = vs.equal_work_table(result)
+    assert "| 64 | yes | plain | same (equal work) | 1.049x (1.038–1.059, 2 rounds) |" in table
+    assert "| 64 | yes | fastest | other: bfloat16 residual stream |" in table
+    md = vs.markdown(result)
+    assert "| bench.py b32 | batch 32, no biases, bench.py's math; w | 480,000 |" in md
+    assert "| 480,000 | 479,000–481,000 | 3 |" in md
+
+
+def test_first_schema_json_renders_what_it_compared() -> None:
+    result = vs.load(ROOT / "docs/results/nvidia-h100-80gb-hbm3/vs_nanogpt.json")
+    assert result["headline"]["median"] == pytest.approx(525464.297243041 / 476581)
+    assert result["headline_same_math"] is None and result["ratios"] == []
+    text = vs.headline(result)
+    assert "**1.103x (one run each: no interval)**" in text
+    assert "not equal work: batch 64 vs 32; biases on ours only; ours changes the math" in text
+    assert "Ours with bench.py's math: not measured. bench.py measured at batch 32." in text
+
+
+def test_measure_interleaves_rounds_and_stops_before_the_deadline(tmp_path, monkeypatch) -> None:
+    bench = tmp_path / "nanogpt"
+    bench.mkdir()
+    (bench / "bench.py").write_text("")
+    monkeypatch.setattr(vs, "ours_configs", lambda batches, variants: [
+        {**_config(f"ours b{b} {v}", "ours", b, True), "argv": ["python", "train.py"]}
+        for b in batches for v in variants
+    ])  # fmt: skip
+    ran, clock = [], [0.0]
+
+    def run_one(name, argv, bench_dir, run_dir, batch, timeout_s):
+        ran.append(name)
+        clock[0] += 100.0  # every run takes 100 s
+        return {"config": name, "wall_s": 100.0, "tokens_per_sec": 1e5 * (1 + len(ran))}
+
+    monkeypatch.setattr(vs, "run_one", run_one)
+    monkeypatch.setattr(vs, "time", SimpleNamespace(time=lambda: clock[0], strftime=time.strftime))
+    out = tmp_path / "vs"
+    argv = ["run", "--bench", str(bench), "--batches", "32", "64", "--repeats", "3"]
+    monkeypatch.setattr(sys, "argv", ["vs_nanogpt.py", *argv])
+    vs.main([*argv, "--ours", "plain", "--deadline-s", "650", "--out", str(out)])
+    round_ = ["bench.py b32", "bench.py b32 bias", "ours b32 plain"]
+    round_ += ["bench.py b64", "bench.py b64 bias", "ours b64 plain"]
+    # Round 1 ends at 600 s; a run takes 100 s: round 2 would pass the deadline (650 s).
+    assert ran == round_
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [r["repeat"] for r in result["runs"]] == [1] * 6
+    assert result["order"] == "each round: " + ", ".join(round_)
+    assert result["headline"]["ours"] == "ours b64 plain" and out.with_suffix(".md").exists()
+
+
+def test_run_one_runs_bench_py_from_a_copy_of_its_folder(tmp_path) -> None:
+    bench = tmp_path / "nanogpt"
+    bench.mkdir()
+    (bench / "configurator.py").write_text("MS = 100.0\n")
+    (bench / "bench.py").write_text(
+        "exec(open('configurator.py').read())\nprint(f'time per iteration: {MS:.4f}ms, MFU: 1%')\n"
+    )
+    argv = [sys.executable, "bench.py", "--batch_size=8"]
+    run = vs.run_one("bench.py b8", argv, bench, tmp_path / "run", batch=8, timeout_s=60)
+    assert run["status"] == "ok" and run["tokens_per_sec"] == pytest.approx(8 * 1024 / 0.1)
+    assert "time per iteration" in (tmp_path / "run/output.txt").read_text()
+    (bench / "bench.py").write_text("raise SystemExit(3)\n")
+    failed = vs.run_one("bench.py b8", argv, bench, tmp_path / "r2", batch=8, timeout_s=60)
+    assert failed["status"] == "failed (exit 3)" and failed["tokens_per_sec"] is None
+
+
+@pytest.mark.slow  # a tiny train.py in a subprocess: ~20 s of CPU
+def test_run_one_reads_our_runs_tokens_per_sec(tmp_path) -> None:
+    from conftest import TINY
+
+    tiny = [o for o in TINY if not o.startswith(("wandb.", "sample."))]
+    argv = [sys.executable, "train.py", *tiny, *vs.OURS_RUN, "train.eval_sequences=4"]
+    run = vs.run_one("ours tiny", argv, None, tmp_path / "run", batch=4, timeout_s=240)
+    assert run["status"] == "ok", run.get("error")
+    assert run["tokens_per_sec"] > 0 and run["tokens_per_sec_median"] > 0
+    assert (tmp_path / "run/summary.json").exists()  # the run folder is the one given
