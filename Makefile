@@ -10,9 +10,10 @@ test:  ## the whole suite (what CI runs)
 test-fast:  ## skip the slow and multi-process tests
 	pytest -q -m "not slow and not distributed"
 
-lint:
+lint:  ## ruff, then mypy: the type check catches calls that CI's CPU tests never run (GPU code)
 	ruff check .
 	ruff format --check .
+	mypy
 
 format:
 	ruff format .

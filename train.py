@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def build_optimizer(
     model: torch.nn.Module,
     cfg: DictConfig,
     impl: dict,
-    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
 ) -> torch.optim.Optimizer:
     """AdamW (or +opt=lowbit's) with weight decay on the 2-D weights (matmuls, embeddings) only."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -207,6 +208,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
 
     # ---- the run folder: its config, the metrics so far (on resume), the logger
     resolved = config.resolved(cfg, model.config)
+    run_state: dict[str, Any]  # saved with every checkpoint beside the weights (filled below)
     history = folder.cut_metrics(start_step) if folder and resumed else []
     if folder:
         config.save(run_dir, resolved, overrides)

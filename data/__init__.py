@@ -105,7 +105,7 @@ def build_loader(
 ) -> DataLoader:
     """A DataLoader yielding this rank's (batch_size, block_size + 1) batch for each step."""
     sampler = StepSampler(
-        len(dataset),
+        len(dataset),  # type: ignore[arg-type]  # our datasets have a length
         batch_size,
         rank=rank,
         world_size=world_size,
@@ -134,7 +134,7 @@ def build_eval_loader(
         raise ValueError(
             f"train.eval_sequences must be at least the number of ranks ({world_size})"
         )
-    ids = StepSampler(len(dataset), num_sequences, seed=seed).batch_ids(0)
+    ids = StepSampler(len(dataset), num_sequences, seed=seed).batch_ids(0)  # type: ignore[arg-type]
     return DataLoader(
         dataset, sampler=ids[rank::world_size], batch_size=batch_size, **_loader_kwargs(options)
     )

@@ -129,7 +129,7 @@ def _writing(path: Path, mode: str = "wb") -> Iterator[IO]:
     """A prepared file, open for writing. A failure (a full disk, a read-only cache) becomes one
     line naming the file and its cause, rather than whatever it would break next."""
     try:
-        with open(path, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        with open(path, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
     except OSError as e:
         raise RuntimeError(

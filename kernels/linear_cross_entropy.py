@@ -162,7 +162,9 @@ def chunked_linear_cross_entropy(
         rows_kernel(logits, t, losses[rows], vocab_size, with_grads, grad8)
         if with_grads:  # logits now holds the gradient of the chunk's summed loss
             if float8:
-                part = _mm_float8(grad8, weight8_t.t(), grad8_inv, weight_inv, dtype)
+                # grad8 is a buffer whenever float8 and with_grads (mypy cannot see it)
+                part = _mm_float8(grad8, weight8_t.t(), grad8_inv, weight_inv, dtype)  # type: ignore[arg-type]
+
                 grad_hidden[rows] = part
             else:
                 torch.mm(logits, weight, out=grad_hidden[rows])

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -90,6 +91,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    vocab_pad_mask: torch.Tensor  # a buffer (registered in __init__)
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -103,7 +106,7 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied input/output embeddings
+        self.lm_head.weight = self.transformer.wte.weight  # type: ignore[assignment]  # tied
         # The padding rows must never be predicted nor share probability mass: in the loss, a
         # -inf bias on their logits (as the bias of the head's matmul it rides in the GEMM
         # epilogue for free); the logits returned without targets leave those rows out.
@@ -206,7 +209,7 @@ class GPT(nn.Module):
         return idx
 
     @classmethod
-    def from_pretrained(cls, name_or_dir: str | Path, **overrides: float) -> GPT:
+    def from_pretrained(cls, name_or_dir: str | Path, **overrides: Any) -> GPT:
         """Loads Hugging Face GPT-2 weights from a hub name (`gpt2`, `gpt2-medium`, ...; needs
         the network) or a local directory written by `save_pretrained`. `overrides` may set
         `dropout`."""
@@ -220,9 +223,10 @@ class GPT(nn.Module):
                     f"{model_type!r}, not 'gpt2': this recipe trains GPT-2 only; give a GPT-2 "
                     "folder or hub name (gpt2, gpt2-medium, ...)"
                 )
-            hf, info = GPT2LMHeadModel.from_pretrained(
+            loaded: Any = GPT2LMHeadModel.from_pretrained(  # with the info: a pair
                 str(name_or_dir), output_loading_info=True, ignore_mismatched_sizes=True
             )
+            hf, info = loaded
         except OSError as e:
             raise RuntimeError(
                 f"could not load GPT-2 weights from {name_or_dir!r}: it is neither a directory "

@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from data import LoaderOptions
+from model import GPT
 from opt.ac import apply_ac
 from opt.accum import apply_accum, gradient_sync
 from opt.amp import apply_amp
@@ -219,9 +220,7 @@ def check_step_in_backward(grad_clip: float, scale_loss: bool) -> None:
         )
 
 
-def apply_model_stages(
-    model: torch.nn.Module, opt: DictConfig, p: Plan, dist: Distributed
-) -> torch.nn.Module:
+def apply_model_stages(model: GPT, opt: DictConfig, p: Plan, dist: Distributed) -> torch.nn.Module:
     """Applies the model stages in their fixed order; returns the module to train with.
 
     `model` itself stays the plain module (changed in place), for checkpoints and sampling.

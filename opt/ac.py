@@ -72,11 +72,12 @@ def apply_ac(model: torch.nn.Module, cfg: DictConfig) -> list[str]:
             f"opt.ac: target={target!r} must be one of {', '.join(TARGETS)} and every={every} >= 1"
         )
     wrapped = []
-    for i, block in enumerate(model.transformer.h):
+    for i, block in enumerate(model.transformer.h):  # type: ignore[arg-type]  # a ModuleList
         if i % every:
             continue
         region = block if target == "block" else getattr(block, target)
         region.forward = functools.partial(checkpoint, region.forward, **options)
         wrapped.append(f"transformer.h.{i}" + ("" if target == "block" else f".{target}"))
-    log(f"[opt] ac: {cfg.mode}, {len(wrapped)} of {len(model.transformer.h)} blocks ({target})")
+    blocks = len(model.transformer.h)  # type: ignore[arg-type]  # a ModuleList
+    log(f"[opt] ac: {cfg.mode}, {len(wrapped)} of {blocks} blocks ({target})")
     return wrapped

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -72,7 +73,7 @@ def apply_compile(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False
     )
 
 
-def _compile_method(owner: object, name: str, **options: object) -> None:
+def _compile_method(owner: object, name: str, **options: Any) -> None:
     """Replaces the bound method `owner.<name>` with its compiled version, on the instance.
     A module's hooks (FSDP's) stay outside the graph, and a block's `forward` that activation
     checkpointing replaced is traced through `checkpoint` (compiling the module itself would

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -61,14 +62,14 @@ def apply_ddp(
         **_buffer_sync(cfg.broadcast_buffers),
         **_batched_grad_copy(cfg.batched_grad_copy),
     )
-    if COMM_HOOKS[cfg.comm_hook] is not None:
-        ddp.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
+    if (hook := COMM_HOOKS[cfg.comm_hook]) is not None:
+        ddp.register_comm_hook(None, hook)
     knobs = ", ".join(f"{k}={v}" for k, v in cfg.items())
     log(f"[opt] ddp: {dist.world_size} processes, {knobs}")
     return ddp
 
 
-def _buffer_sync(broadcast: bool) -> dict[str, bool]:
+def _buffer_sync(broadcast: bool) -> dict[str, Any]:
     """Whether buffers are re-broadcast from rank 0 before every forward. torch 2.13 renamed
     the argument (`forward_sync_buffers`; the old name warns, and skips the sync at
     construction too, which for our constant buffer makes no difference)."""
@@ -76,7 +77,7 @@ def _buffer_sync(broadcast: bool) -> dict[str, bool]:
     return {name: broadcast}
 
 
-def _batched_grad_copy(enabled: bool) -> dict[str, bool]:
+def _batched_grad_copy(enabled: bool) -> dict[str, Any]:
     """DDP's one-kernel-per-bucket gradient copy, new in torch 2.13."""
     if not enabled:
         return {}

@@ -17,6 +17,8 @@ Gradients are reduced in float32 either way.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from omegaconf import DictConfig
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -40,7 +42,7 @@ def pure_low_precision(cfg: DictConfig) -> bool:
 def apply_fsdp(
     model: torch.nn.Module, cfg: DictConfig, dist: Distributed, amp_dtype: torch.dtype | None
 ) -> torch.nn.Module:
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     pure = pure_low_precision(cfg) and amp_dtype is not None
     if pure:
         kwargs["mp_policy"] = MixedPrecisionPolicy(

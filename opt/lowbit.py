@@ -63,7 +63,7 @@ def _update_compiled_once(base: type[torch.optim.Optimizer]) -> type[torch.optim
     update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
 
     @torch.no_grad()
-    def step(self: torch.optim.Optimizer, closure: Callable[[], float] | None = None):
+    def step(self: Any, closure: Callable[[], float] | None = None):  # torchao's class: untyped
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -100,7 +100,7 @@ def _update_compiled_once(base: type[torch.optim.Optimizer]) -> type[torch.optim
     return type(base.__name__, (base,), namespace)
 
 
-def _quantized_types() -> tuple[type, type]:
+def _quantized_types() -> tuple[Any, Any]:  # torchao's classes (untyped)
     from torchao.optim.subclass_4bit import OptimState4bit
     from torchao.optim.subclass_8bit import OptimState8bit
 

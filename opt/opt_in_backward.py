@@ -60,7 +60,7 @@ def _step_now(
 ) -> None:
     """The post-accumulate-grad hook: this parameter's update, then its gradient is dropped."""
     with _only(optimizer, group_index, param):
-        guard.step_parameter(optimizer, param.grad)
+        guard.step_parameter(optimizer, param.grad)  # type: ignore[arg-type]  # set by now
     param.grad = None
 
 

@@ -298,7 +298,7 @@ class _PlainValues:
                 "to read it"
             ) from None
         value.seek(0)
-        super().load_bytes(read_item, value)
+        super().load_bytes(read_item, value)  # type: ignore[misc]  # a mixin before DCP's planner
 
 
 class _Planner(_PlainValues, DefaultLoadPlanner):
@@ -563,7 +563,7 @@ def restore(
     more)."""
     same_optimizer = _same_optimizer(state, optimizer)
     if "sharded" in state:
-        loaded = {"model": get_model_state_dict(model)}
+        loaded: dict[str, Any] = {"model": get_model_state_dict(model)}
         if same_optimizer:
             loaded["optimizer"] = get_optimizer_state_dict(model, optimizer)
         _load_sharded(state["sharded"], model, loaded)

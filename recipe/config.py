@@ -18,7 +18,7 @@ import dataclasses
 import math
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 from hydra import initialize_config_dir
@@ -167,7 +167,7 @@ FROZEN = (
 def resolved(cfg: DictConfig, model_config: Any) -> dict[str, Any]:
     """The config as plain data, with the model's real shape (a GPTConfig: for a pretrained
     start it comes from the weights, not from the preset)."""
-    out = OmegaConf.to_container(cfg, resolve=True)
+    out = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     shape = dataclasses.asdict(model_config)
     out["model"].update({k: v for k, v in shape.items() if k in out["model"]})
     return out
@@ -216,7 +216,7 @@ def merge_overrides(saved: list[str], new: list[str]) -> list[str]:
 
 def differences(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """Leaf keys whose values differ between two nested dicts: {key: (old, new)}."""
-    out = {}
+    out: dict[str, tuple[Any, Any]] = {}
     for k in sorted(set(old) | set(new), key=str):
         a, b = old.get(k), new.get(k)
         name = f"{prefix}{k}"
@@ -230,7 +230,7 @@ def differences(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, 
 def check_resume(saved: dict, cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     """Compares the resumed run's config with the checkpoint's: prints what changes, refuses
     changes to the frozen settings naming both values. Returns the changes."""
-    current = OmegaConf.to_container(cfg, resolve=True)
+    current = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     changes = {
         k: v for k, v in differences(saved, current).items() if not k.startswith("train.resume")
     }
@@ -274,7 +274,7 @@ def _header(path: Path) -> str:
 def _groups(config_name: str) -> list[tuple[str, Any]]:
     """The config groups a primary config's defaults list selects, with its default choice
     (an option, a list of them, or None)."""
-    defaults = OmegaConf.load(CONF_DIR / f"{config_name}.yaml").get("defaults", [])
+    defaults = OmegaConf.load(CONF_DIR / f"{config_name}.yaml").get("defaults", [])  # type: ignore[arg-type]
     groups = []
     for entry in OmegaConf.to_container(defaults):
         if isinstance(entry, dict):  # not _self_ nor a plain config file

@@ -136,7 +136,7 @@ def backend(device: torch.device) -> str:
     return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(device: torch.device, **how: object) -> None:
+def init_process_group(device: torch.device, **how: Any) -> None:
     """Creates the default process group for `device`, and the CPU group for host-side flags
     and waits. `how` is passed to `torch.distributed.init_process_group`: empty under torchrun
     (it reads RANK, WORLD_SIZE, MASTER_ADDR/PORT), or e.g. `rank=0, world_size=1,

@@ -147,8 +147,8 @@ def _step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
         # CPU offload) need it in host memory first: fused AdamW would copy it asynchronously,
         # and a CPU kernel could read it before the copy lands; this copy waits.
         params_device = optimizer.param_groups[0]["params"][0].device
-        optimizer.found_inf = bad.to(params_device).float()
+        optimizer.found_inf = bad.to(params_device).float()  # type: ignore[attr-defined]
         optimizer.step()
-        del optimizer.found_inf
+        del optimizer.found_inf  # type: ignore[attr-defined]
     elif not bad.item():  # the for-loop/foreach kernels have no such flag: one sync
         optimizer.step()

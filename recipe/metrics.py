@@ -15,7 +15,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +177,7 @@ class LoopMeter:
         """Over the steps since the last `start()`, read after a sync (work between two starts,
         an evaluation, is left out); the stretches wholly measured add up for the summary. This
         GPU's energy per token it trained on: the ranks alike."""
-        if self._stretch is None or len(self.wait_ms) == self._stretch[1]:
+        if self.energy is None or self._stretch is None or len(self.wait_ms) == self._stretch[1]:
             return None
         (joules, first), self._stretch = self._stretch, None
         joules, steps = self.energy() - joules, len(self.wait_ms) - first
@@ -219,7 +219,7 @@ def cold_start(
     wall time `wall_s` since train() began (evaluation, checkpoints, compile, setup are the
     rest). Without a steady step (a single step) the last two are None."""
     first_ms = step_ms[0] if step_ms else None
-    out = {"first_step_s": None, "compile_s": None, "goodput": None}
+    out: dict[str, float | None] = {"first_step_s": None, "compile_s": None, "goodput": None}
     if first_ms is not None and loop_start_s is not None:
         out["first_step_s"] = loop_start_s + first_ms / 1e3
     if first_ms is not None and steady_ms is not None:
@@ -305,7 +305,7 @@ class MetricLogger:
         run_name: str,
         config: dict,
         wandb_id: str | None = None,
-        history: list[dict[str, Any]] = (),
+        history: Sequence[dict[str, Any]] = (),
     ) -> None:
         self.enabled, self.max_steps = enabled, max_steps
         self._origin: tuple[float, int] | None = None  # (time, step) of the first log, for the ETA
@@ -383,7 +383,7 @@ def _init_wandb(run_dir: Path, cfg: DictConfig, name: str, config: dict, run_id:
     def start(mode: str) -> Any:
         settings = wandb.Settings(console="off", quiet=True, init_timeout=cfg.init_timeout_s)
         return wandb.init(
-            project=cfg.project, group=cfg.group, name=name, mode=mode, config=config,
+            project=cfg.project, group=cfg.group, name=name, mode=mode, config=config,  # type: ignore[arg-type]
             dir=str(run_dir), id=run_id, resume="allow" if run_id else None, settings=settings,
         )  # fmt: skip
 

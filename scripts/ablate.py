@@ -93,6 +93,7 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
     """What each step runs: its stages and overrides (after the workload's), accumulated when the
     ladder is cumulative, less the stages it drops, and its processes."""
     base = list(ladder.get("opt", []))
+    overrides: list[str]
     plans, stages, overrides = [], base, []
     for index, step in enumerate(ladder.steps):
         if not ladder.cumulative:

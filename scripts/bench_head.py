@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,7 @@ CHUNKS = (0, 16384, 8192, 4096, 2048)  # 0: all tokens at once
 KERNELS = ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (65536, 16), (65536, 32))
 DEFAULT_CHUNK, DEFAULT_KERNEL = 8192, (8192, 16)  # the chunk kernel configs are compared at
 GiB = 1024**3
+T = TypeVar("T")  # what time_ms's pool holds and its step takes
 
 
 @dataclass
@@ -79,8 +81,8 @@ def autograd_step(loss_fn: Callable) -> Step:
     def step(x: Inputs) -> Result:
         x.hidden.grad = x.weight.grad = None
         loss = loss_fn(x.hidden, x.weight, x.targets, VOCAB)
-        loss.backward()
-        return loss.detach(), x.hidden.grad, x.weight.grad
+        loss.backward()  # sets both gradients (their type says Optional)
+        return loss.detach(), x.hidden.grad, x.weight.grad  # type: ignore[return-value]
 
     return step
 
@@ -107,11 +109,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(step: Step, pool: list[Inputs], repeats: int, device: torch.device) -> list[float]:
+def time_ms(
+    step: Callable[[T], object], pool: list[T], repeats: int, device: torch.device
+) -> list[float]:
     for i in range(3):  # warm-up: compilation, autotuning, the allocator
         step(pool[i % len(pool)])
     synchronize(device)
-    times = []
+    times: list[tuple[torch.cuda.Event, torch.cuda.Event] | float] = []
     for i in range(repeats):
         x = pool[i % len(pool)]
         if device.type == "cuda":
@@ -223,8 +227,10 @@ def bench_kernel(tokens: int, args, device: torch.device) -> list[dict]:
     losses = torch.empty(tokens, device=device)
     moved = 2 * logits.numel() * logits.element_size()  # read + write
     out = torch.empty_like(logits)
-    candidates = [("copy (same bytes)", lambda _: out.copy_(logits))]
-    rows = []
+    candidates: list[tuple[str, Callable[[None], object]]] = [
+        ("copy (same bytes)", lambda _: out.copy_(logits))
+    ]
+    rows: list[dict[str, Any]] = []
     try:
         from kernels.triton_cross_entropy import cross_entropy_rows_
 
@@ -232,7 +238,8 @@ def bench_kernel(tokens: int, args, device: torch.device) -> list[dict]:
             run = functools.partial(
                 cross_entropy_rows_, logits, targets, losses, VOCAB, block, warps
             )
-            candidates.append((f"kernel block={block} warps={warps}", lambda _, r=run: r()))
+            # (mypy cannot infer a lambda with a default argument)
+            candidates.append((f"kernel block={block} warps={warps}", lambda _, r=run: r()))  # type: ignore[misc]
     except Exception as e:  # noqa: BLE001
         rows.append({"variant": "Triton kernel", "error": f"{type(e).__name__}: {e}"})
     for name, fn in candidates:

@@ -19,7 +19,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
@@ -51,7 +51,7 @@ def run_config(cfg: DictConfig, saved: dict[str, Any] | None, model: GPT) -> Dic
     weights, the trainer's defaults), with the model's real shape, and `data=`, `eval_sequences`,
     `block_size` and `device` on top. Stages that spread training over processes are dropped."""
     if saved is None:
-        saved = OmegaConf.to_container(config.compose([]), resolve=True)
+        saved = cast(dict[str, Any], OmegaConf.to_container(config.compose([]), resolve=True))
     run_cfg = OmegaConf.create(config.resolved(OmegaConf.create(saved), model.config))
     if cfg.get("data") is not None:
         run_cfg.data = cfg.data
@@ -85,7 +85,7 @@ def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
     # As the trainer does: the plan and the model stages, the corpus, the fixed windows.
     dist = distributed.init(run_cfg.device)
     plan = opt.plan(run_cfg, dist)
-    model = opt.apply_model_stages(model, run_cfg.opt, plan, dist)
+    model = opt.apply_model_stages(model, run_cfg.opt, plan, dist)  # type: ignore[assignment]
     data.prepare(run_cfg.data)
     _, val_loader = build_loaders(run_cfg, plan, dist)
     loss = evaluate(model, val_loader, plan, dist)

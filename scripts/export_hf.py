@@ -100,7 +100,7 @@ def write_tokenizer(out: Path) -> None:
     """GPT-2's vocabulary files, as transformers names them (vocab.json is encoder.json,
     merges.txt is vocab.bpe), then the tokenizer's own files from them. (Constructing
     GPT2TokenizerFast from the two paths would give an empty tokenizer in transformers 5.)"""
-    from transformers import GPT2TokenizerFast
+    from transformers import GPT2TokenizerFast  # type: ignore[attr-defined]  # a lazy export
 
     source = vocab_dir()
     verify_vocab(source)

@@ -136,7 +136,7 @@ def ours_configs(batches: list[int], variants: list[str]) -> list[dict[str, Any]
     from omegaconf import OmegaConf
 
     ladder = OmegaConf.load(ROOT / "conf/ablate/ladder/speed.yaml")
-    plans = {plan["name"]: plan for plan in step_plans(ladder)}
+    plans = {plan["name"]: plan for plan in step_plans(ladder)}  # type: ignore[arg-type]  # a mapping
     configs = []
     for batch in batches:
         for variant in variants:
@@ -195,7 +195,7 @@ def run_one(
     else:
         numbers = ours_tokens_per_sec(run_dir, warmup_steps=10)
     ok = proc.returncode == 0 and numbers["tokens_per_sec"] is not None
-    run = {"config": name, "wall_s": round(time.time() - started, 1), **numbers}
+    run: dict[str, Any] = {"config": name, "wall_s": round(time.time() - started, 1), **numbers}
     run["status"] = "ok" if ok else f"failed (exit {proc.returncode})"
     if not ok:
         run["error"] = output.strip().splitlines()[-3:]
@@ -435,9 +435,12 @@ def measure(args: argparse.Namespace) -> dict:
     order = sorted(configs, key=lambda c: (c["batch"], c["side"] == "ours"))
     out = args.out or ROOT / "docs/results" / slug(device_name()) / "vs_nanogpt"
     runs_dir = Path("outputs/vs_nanogpt") / time.strftime("%Y%m%d-%H%M%S")
-    result = {"environment": environment(["python", "scripts/vs_nanogpt.py", *sys.argv[1:]])}
+    result: dict[str, Any] = {
+        "environment": environment(["python", "scripts/vs_nanogpt.py", *sys.argv[1:]])
+    }
     result |= {"order": "each round: " + ", ".join(c["name"] for c in order)}
     result |= {"configs": configs, "runs": [], "notes": [METHOD]}
+    last_wall_s: dict[str, float]  # each configuration's last run, for the deadline
     started, last_wall_s = time.time(), {}
     for repeat in range(1, args.repeats + 1):
         for config in order:

@@ -3,9 +3,12 @@ a few tiny training-run settings that take seconds on a CPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
+import types
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +31,15 @@ TINY = [
     "train.batch_size=4", "train.warmup_steps=2", "train.eval_sequences=8",
     "sample.num_samples=1", "sample.max_new_tokens=4", "wandb.mode=offline", "device=cpu",
 ]  # fmt: skip
+
+
+def load_script(name: str) -> types.ModuleType:
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec and spec.loader, name
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_cfg(*overrides: str) -> DictConfig:
@@ -95,7 +107,7 @@ def wandb_calls(monkeypatch: pytest.MonkeyPatch) -> WandbCalls:
             calls.finished += 1
             return real_finish(*args, **rest)
 
-        run.log, run.finish = log, finish
+        run.log, run.finish = log, finish  # type: ignore[method-assign, assignment]
         return run
 
     monkeypatch.setattr(wandb, "init", init)
@@ -103,7 +115,7 @@ def wandb_calls(monkeypatch: pytest.MonkeyPatch) -> WandbCalls:
 
 
 def compiled_against_eager(
-    run_dir: Path, eager: list[str], compiled: list[str], rtol: float
+    run_dir: Path, eager: Sequence[str], compiled: Sequence[str], rtol: float
 ) -> dict:
     """Trains the tiny config with the `eager` overrides, then with the `compiled` ones (from a
     fresh dynamo state); their logged losses must agree within `rtol`. Returns dynamo's counters

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from conftest import ROOT, python
 
 spec = importlib.util.spec_from_file_location("ablate", ROOT / "scripts/ablate.py")
-ablate = importlib.util.module_from_spec(spec)
+ablate = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
 spec.loader.exec_module(ablate)
 
 

@@ -4,7 +4,6 @@ and an export whose logits are ours."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 
@@ -16,7 +15,7 @@ from omegaconf import DictConfig
 from torch._dynamo.utils import counters
 
 import sample as sample_app
-from conftest import CONF, ROOT, logged, python, tiny_cfg, tiny_run
+from conftest import CONF, ROOT, load_script, logged, python, tiny_cfg, tiny_run
 from data.tokenizer import gpt2_encoding
 from model import GPT
 from recipe import checkpoint, generate
@@ -25,14 +24,7 @@ from train import train
 QUIET = ("wandb.mode=disabled", "train.log_interval=1")
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-evaluate_app, export_app = _script("evaluate"), _script("export_hf")
+evaluate_app, export_app = load_script("evaluate"), load_script("export_hf")
 
 
 def tool_cfg(name: str, *overrides: str) -> DictConfig:

@@ -4,7 +4,6 @@ step; a damaged checkpoint file is refused by name before anything is written.""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pickle
 import re
@@ -21,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import sample as sample_app
-from conftest import CONF, ROOT, python, tiny_run
+from conftest import CONF, ROOT, load_script, python, tiny_run
 from model import GPT, GPTConfig
 from opt.fsdp import apply_fsdp
 from recipe import checkpoint, distributed
@@ -30,15 +29,8 @@ from train import build_optimizer
 QUIET = ("sample.num_samples=0", "wandb.mode=disabled")
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-evaluate_app, export_app = _script("evaluate"), _script("export_hf")
-consolidate_app = _script("consolidate_checkpoint")
+evaluate_app, export_app = load_script("evaluate"), load_script("export_hf")
+consolidate_app = load_script("consolidate_checkpoint")
 
 
 def _shard(run: Path) -> None:
@@ -160,9 +152,11 @@ def test_a_crafted_value_in_a_dcp_shard_runs_no_code(tmp_path) -> None:
 def test_latest_must_name_a_step_folder_of_its_own(runs, tmp_path, latest) -> None:
     run = _copy(runs["sharded"], tmp_path)
     elsewhere = Path(shutil.copytree(_step_folder(run), tmp_path / "elsewhere" / "step-00000002"))
-    name = {"absolute": str(elsewhere), "parent": "../../elsewhere/step-00000002"}.get(latest)
+    name = {
+        "absolute": str(elsewhere), "parent": "../../elsewhere/step-00000002",
+        "symlink": "step-00000009",
+    }[latest]  # fmt: skip
     if latest == "symlink":
-        name = "step-00000009"
         (run / checkpoint.SHARDED / name).symlink_to(elsewhere, target_is_directory=True)
     (run / checkpoint.SHARDED / "LATEST").write_text(name)
     with pytest.raises(RuntimeError, match=rf"LATEST names '{re.escape(name)}', not a step-<N>"):
@@ -310,7 +304,8 @@ def test_a_save_killed_between_its_renames_leaves_an_accepted_checkpoint(
     `renames` of the three (checksums of both, the file, checksums of the new) leaves the old
     or the new checkpoint, accepted by its checksums."""
     run = _copy(runs["single"], tmp_path)
-    path, state, real_replace, done = run / "checkpoint.pt", checkpoint.read(run), os.replace, []
+    path, state, real_replace = run / "checkpoint.pt", checkpoint.read(run), os.replace
+    done: list[str] = []
 
     def killed(src, dst) -> None:
         if len(done) == renames:

@@ -282,7 +282,7 @@ def test_ddp_reduces_the_fused_gradients(tmp_path) -> None:
 
 
 def _done(bucket) -> torch.futures.Future:
-    future = torch.futures.Future()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
 
@@ -300,7 +300,7 @@ def test_the_benchmark_harness_runs_and_reports(tmp_path) -> None:
     """scripts/bench_head.py is a GPU benchmark; on the CPU its harness (variants, errors against
     the plain head, reports, a failing variant recorded rather than fatal) still runs."""
     spec = importlib.util.spec_from_file_location("bench_head", ROOT / "scripts/bench_head.py")
-    bench_head = importlib.util.module_from_spec(spec)
+    bench_head = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(bench_head)
     argv = ["--out", str(tmp_path), "--device", "cpu", "--tokens", "16", "--width", "8",
             "--repeats", "1", "--no-compile"]  # fmt: skip

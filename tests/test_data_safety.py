@@ -73,6 +73,7 @@ def prepared_copy(tmp_path):
     """The bundled corpus, prepared once per session, copied into a cache of this test's own."""
     cfg = make_cfg().data
     folder = prepare(cfg)
+    assert folder is not None
     cfg.cache_dir = str(tmp_path)
     copy = cache_folder(cfg)
     shutil.copytree(folder, copy)
@@ -97,6 +98,7 @@ def test_large_files_are_checked_by_sampled_blocks_and_fully_on_demand(
     _small_corpus(tmp_path)
     cfg = _text_cfg(tmp_path)
     folder = prepare(cfg)
+    assert folder is not None
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["files"]["train.bin"]["bytes"] == 2 * meta["splits"]["train"]["tokens"]
     _flip_byte(folder / "train.bin", 100)  # between the first and second sampled blocks
@@ -370,9 +372,11 @@ def test_worker_init_composes_with_another_one(tmp_path) -> None:
     def mark(worker_id: int) -> None:
         (tmp_path / f"worker-{worker_id}").write_text(str(os.getpid()))
 
-    loader = torch.utils.data.DataLoader(
-        list(range(4)), batch_size=1, num_workers=2, worker_init_fn=WorkerInit(then=mark)
-    )
+    # A list is a dataset (indexable, sized), not a torch Dataset subclass as the stubs ask.
+    loader = torch.utils.data.DataLoader(  # type: ignore[var-annotated]
+        list(range(4)),  # type: ignore[arg-type]
+        batch_size=1, num_workers=2, worker_init_fn=WorkerInit(then=mark),
+    )  # fmt: skip
     assert sorted(int(b) for b in loader) == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-0", "worker-1"]
 

@@ -31,6 +31,7 @@ from model import GPT, GPTConfig
 from opt.ddp import apply_ddp, default_knobs
 from recipe import checkpoint, distributed
 from recipe.distributed import Distributed
+from recipe.guard import NonFiniteGuard
 from train import train, train_step
 
 # A constant learning rate, so that a run of 2 steps resumed to 4 is the 4-step run.
@@ -316,7 +317,7 @@ def _toy(n_embd: int = 16) -> GPT:
 
 
 def _ddp(group: Distributed, model: GPT | None = None, **knobs):
-    return apply_ddp(model or _toy(), OmegaConf.merge(default_knobs(), knobs), group)
+    return apply_ddp(model or _toy(), OmegaConf.merge(default_knobs(), knobs), group)  # type: ignore[arg-type]
 
 
 def _settings(ddp) -> dict:
@@ -359,7 +360,7 @@ def test_ddp_knobs_reach_ddp_and_act(group_of_one) -> None:
         storages[view] = {p.grad.untyped_storage().data_ptr() for p in ddp.parameters()}
     assert len(storages[True]) == 1 and len(storages[False]) > 1
 
-    broadcasts = {True: [], False: []}
+    broadcasts: dict[bool, list[int]] = {True: [], False: []}
     for broadcast, calls in broadcasts.items():  # the constant mask: before every forward, or not
         ddp = _ddp(group_of_one, broadcast_buffers=broadcast)
         ddp._distributed_broadcast_coalesced = functools.partial(
@@ -396,7 +397,7 @@ def test_ddp_optimizer_splits_the_compiled_graph_at_buckets(group_of_one) -> Non
         torch._dynamo.reset()
         counters.clear()
         model = _toy(n_embd=256)
-        opt.compile.apply_compile(model, compile_knobs)
+        opt.compile.apply_compile(model, compile_knobs)  # type: ignore[arg-type]  # a mapping
         _forward_backward(_ddp(group_of_one, model, optimize_ddp=mode, bucket_cap_mb=1), steps=1)
         assert torch._dynamo.config.optimize_ddp == mode
         graphs[mode] = counters["aot_autograd"]["total"]
@@ -472,7 +473,8 @@ def test_fsdp_cpu_offload_clips_gradients_on_the_gpu(gpu_group) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 64, (2, 9), device="cuda")
     scaler = plan.grad_scaler(gpu_group.device)
-    _, norm = train_step(model, optimizer, scaler, x[:, :-1], x[:, 1:], plan, 1.0)
+    guard = NonFiniteGuard(gpu_group.device, gpu_group, max_bad_steps=10)
+    _, norm = train_step(model, optimizer, scaler, x[:, :-1], x[:, 1:], plan, 1.0, guard)
     assert torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 

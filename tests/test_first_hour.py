@@ -22,7 +22,7 @@ from recipe.distributed import Distributed
 SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci/readme_commands.py")
-readme_commands = importlib.util.module_from_spec(spec)
+readme_commands = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
 spec.loader.exec_module(readme_commands)
 
 
@@ -40,7 +40,8 @@ def test_ci_runs_exactly_the_readmes_set_up_and_test_lines() -> None:
     extras = (ROOT / "pyproject.toml").read_text()
     dev = re.search(r"^dev = \[(.*)\]$", extras, flags=re.M).group(1)
     assert re.search(r'"pytest[^"]*"', dev) and re.search(r'"ruff[^"]*"', dev)
-    assert "ruff check . && ruff format --check ." in rest
+    assert re.search(r'"mypy[^"]*"', dev)
+    assert "ruff check . && ruff format --check . && mypy" in rest
 
     # CI runs those lines and installs or tests nothing of its own.
     ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line[:1] != "#"]

@@ -102,7 +102,8 @@ class FakeNVML(types.ModuleType):
 
     def __init__(self, supported: bool = True) -> None:
         super().__init__("pynvml")
-        self.millijoules, self.supported, self.handles = 0, supported, []
+        self.millijoules, self.supported = 0, supported
+        self.handles: list[int] = []
 
     def nvmlInit(self) -> None:
         pass

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 
 spec = importlib.util.spec_from_file_location("render_readme", ROOT / "scripts/render_readme.py")
-render_readme = importlib.util.module_from_spec(spec)
+render_readme = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
 spec.loader.exec_module(render_readme)
 
 README = ROOT / "README.md"
@@ -52,7 +52,7 @@ def _marked(kind: str, path: str) -> str:
 
 def test_repeats_interval_and_noise_are_shown_and_missing_fields_are_dashes(tmp_path) -> None:
     base = {"status": "ok", "git_commit": "a", "peak_allocated_gib": 15.0}
-    steps = [
+    steps: list[dict] = [
         {**base, "name": "memmap", "tokens_per_sec": 478_000.0},  # an old row: no repeats
         {**base, "name": "custom_op", "tokens_per_sec": 482_000.0, "repeats": 3,
          "interval": [480_100.0, 483_900.0], "within_noise": True},

@@ -47,7 +47,7 @@ def _nan_loss_on_training_calls(monkeypatch, calls: set[int]) -> None:
         if self.training and targets is not None:
             seen[0] += 1
             if seen[0] in calls:
-                loss = loss * float("nan")
+                loss = loss * float("nan")  # type: ignore[assignment]
         return logits, loss
 
     monkeypatch.setattr(GPT, "forward", patched)

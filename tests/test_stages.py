@@ -161,7 +161,7 @@ class GradRecorder(torch.optim.Optimizer):
         super().__init__(params, {})
         self.grads: list[torch.Tensor] = []
 
-    def step(self, closure=None) -> None:
+    def step(self, closure=None) -> None:  # type: ignore[override]  # no closure, no loss
         self.grads = [p.grad.clone() for g in self.param_groups for p in g["params"]]
 
 
@@ -170,7 +170,7 @@ def _toy(vocab_size: int = 64) -> GPT:
     return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=vocab_size))
 
 
-def _step(model: GPT, plan: opt.Plan, batch: torch.Tensor, optimizer=None):
+def _step(model: torch.nn.Module, plan: opt.Plan, batch: torch.Tensor, optimizer=None):
     optimizer = optimizer or GradRecorder(model.parameters())
     scaler = plan.grad_scaler(CPU)
     guard = NonFiniteGuard(CPU, SINGLE, max_bad_steps=10)
@@ -313,7 +313,7 @@ def test_ac_keeps_gradients_identical_and_halves_saved_activations() -> None:
     for (name, a), (_, b) in zip(
         plain.named_parameters(), checkpointed.named_parameters(), strict=True
     ):
-        assert torch.equal(a.grad, b.grad), name
+        assert torch.equal(a.grad, b.grad), name  # type: ignore[arg-type]
     assert list(plain.state_dict()) == list(checkpointed.state_dict())  # names unchanged
 
 
@@ -473,7 +473,7 @@ def test_ddp_accumulation_all_reduces_only_on_the_last_micro_step(tmp_path) -> N
 
         def count(state, bucket):
             reduced.append(bucket.index())
-            fut = torch.futures.Future()
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(bucket.buffer())
             return fut
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 
 spec = importlib.util.spec_from_file_location("step_budget", ROOT / "scripts/step_budget.py")
-step_budget = importlib.util.module_from_spec(spec)
+step_budget = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
 spec.loader.exec_module(step_budget)
 
 

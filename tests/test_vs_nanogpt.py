@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 
 spec = importlib.util.spec_from_file_location("vs_nanogpt", ROOT / "scripts/vs_nanogpt.py")
-vs = importlib.util.module_from_spec(spec)
+vs = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
 spec.loader.exec_module(vs)
 
 BENCH_OUTPUT = """Compiling model...
