@@ -4,13 +4,14 @@ ms per step with its change against the row before."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import load_script
+from conftest import ROOT, load_script
 
 ablate = load_script("ablate")
 ladder_profile = load_script("ladder_profile")
@@ -91,6 +92,19 @@ def test_cpu_operators_count_once_under_their_outermost_family() -> None:
     assert ms["norm/elementwise"] == 15 and ms["other"] == 0 and ms["idle"] == 11
     assert result["steps"] == 1 and result["busy_ms"] == pytest.approx(0.089)
     assert result["top_kernels_ms"]["aten::addmm"] == pytest.approx(0.026)  # self time
+
+
+H100 = ROOT / "docs/results/nvidia-h100-80gb-hbm3"
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_the_published_h100_traces_still_give_their_budgets(when: str) -> None:
+    """The CPU's operator names added to the families leave a GPU trace's split as it was."""
+    trace = json.loads(gzip.decompress((H100 / f"step_budget_{when}.trace.json.gz").read_bytes()))
+    published = json.loads((H100 / f"step_budget_{when}.json").read_text())
+    result = step_budget.budget(trace, steps=3)
+    assert result["family_ms"] == pytest.approx(published["family_ms"])
+    assert result["kernels_per_step"] == published["kernels_per_step"]
 
 
 class FakeRuns:
