@@ -183,6 +183,7 @@ def budget(trace: dict, steps: int) -> dict[str, Any]:
     per_family["idle"] = window - busy
     ms = {k: v / 1e3 / steps for k, v in per_family.items()}
     return {
+        "timeline": "GPU" if annotation == "gpu_user_annotation" else "CPU",
         "steps": steps,
         "step_ms": window / 1e3 / steps,
         "busy_ms": busy / 1e3 / steps,
@@ -195,10 +196,10 @@ def budget(trace: dict, steps: int) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    floors = result["roofline_ms"]
+    floors, timeline = result["roofline_ms"], result.get("timeline", "GPU")
     lines = [
-        f"GPU window {result['step_ms']:.1f} ms/step ({result['steps']} steps), kernels busy "
-        f"{result['busy_ms']:.1f} ms.",
+        f"{timeline} window {result['step_ms']:.1f} ms/step ({result['steps']} steps), "
+        f"{'kernels' if timeline == 'GPU' else 'operators'} busy {result['busy_ms']:.1f} ms.",
         "",
         "| family | ms/step | share | kernels/step | roofline ms | measured / roofline |",
         "|---|---|---|---|---|---|",
@@ -234,7 +235,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     args = parser.parse_args()
     result = budget(json.loads(args.trace.read_text()), args.steps)
-    result["roofline_ms"] = roofline_ms(args)
+    result["roofline_ms"] = roofline_ms(args) if result["timeline"] == "GPU" else {}
     result["assumptions"] = {k: v for k, v in vars(args).items() if k not in ("trace", "json")}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

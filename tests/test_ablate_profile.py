@@ -92,6 +92,9 @@ def test_cpu_operators_count_once_under_their_outermost_family() -> None:
     assert ms["norm/elementwise"] == 15 and ms["other"] == 0 and ms["idle"] == 11
     assert result["steps"] == 1 and result["busy_ms"] == pytest.approx(0.089)
     assert result["top_kernels_ms"]["aten::addmm"] == pytest.approx(0.026)  # self time
+    assert step_budget.markdown({**result, "roofline_ms": {}}).startswith(
+        "CPU window 0.1 ms/step (1 steps), operators busy 0.1 ms."
+    )
 
 
 H100 = ROOT / "docs/results/nvidia-h100-80gb-hbm3"
