@@ -5,6 +5,7 @@
     python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
     python scripts/ablate.py ladder=speed steps=[compile,amp_fp16] "extra=['+prof=trace']"
     python scripts/ablate.py ladder=speed repeats=5 steps=[custom_op]   # anchored on memmap
+    python scripts/ablate.py ladder=speed profile=true  # + each row's time by kernel family
 
 A ladder (`conf/ablate/ladder/<name>.yaml`) is a workload (overrides and stages every step runs
 with) and a list of steps; each step adds stages (`+opt=...`) and overrides to the ones before it
@@ -26,6 +27,11 @@ ratio to the row it is compared with pairs run i with run i; a ratio whose range
 is `within_noise`. `steps=[...]` runs a segment of the ladder; unless it starts at step 0 the
 step its first row is compared with (or `anchor=<step>`) runs beside it, so that its ratios come
 from one call, and its measurement is kept in the json's `segments`.
+
+Profile: with `profile=true` (or `profile: true` in the ladder) every step runs once more after
+the timed runs, briefly, under the profiler; its row gains `families_ms`, the step's time by
+kernel family, and the table the change of each family against the row before
+(scripts/ladder_profile.py).
 
 Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, with the command, the git commit, the
 GPU, the driver and the library versions; rerunning some steps updates their rows. The table
@@ -56,9 +62,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
+sys.path.append(str(Path(__file__).resolve().parent))  # ladder_profile.py, next to this file
 # The harness's own config, apart from conf/'s groups: train.py's search path does not see it.
 CONF = ROOT / "conf" / "ablate"
 
+import ladder_profile  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
@@ -211,6 +219,23 @@ def run_step(
         row["error"] = failure_reason(output)
     print(f"[ablate]   -> {status}, {row['wall_s']} s", flush=True)
     return {**row, "status": status}
+
+
+def profile_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path) -> dict:
+    """One more, short run of a step under the profiler, after its timed runs (why apart:
+    scripts/ladder_profile.py); returns what its row gains: `families_ms` and `profile`, or
+    `profile`'s status and error when the run or its trace failed (the ladder goes on)."""
+    run_dir = runs_dir / f"{plan['index']:02d}-{plan['name']}-profile"
+    extra = [*cfg.extra, *ladder_profile.overrides(cfg.profile_wait)]
+    agents = launches(plan, ladder, extra, run_dir)
+    print(f"[ablate] profiling {plan['name']}: {shell(*agents[0])}", flush=True)
+    try:
+        status, output, _ = launch(agents, run_dir, cfg.timeout_s)
+        if status != "ok":
+            return {"profile": {"status": status, "error": failure_reason(output)}}
+        return ladder_profile.families(run_dir / "trace.json")
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- the row keeps its timed numbers
+        return {"profile": {"status": "failed", "error": f"ablate.py: {type(e).__name__}: {e}"}}
 
 
 def launch(
@@ -576,7 +601,8 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
         header,
         "|" + "---|" * len(columns),
     ]
-    for row, previous, baseline in comparisons(ladder, rows):
+    pairs = comparisons(ladder, rows)
+    for row, previous, baseline in pairs:
         mfu = _fmt(row.get("mfu"), ".1f") + ("%" if row.get("mfu") is not None else "")
         cells = [
             str(row["index"]),
@@ -623,6 +649,10 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
         if s.get("anchor") and s["anchor"].get("status") == "ok"
     ]
     lines += [f"\n- `{r['name']}`: {r['note']}" for r in rows if r.get("note")]
+    lines += ladder_profile.table(
+        [(row, previous if ladder.cumulative else baseline) for row, previous, baseline in pairs],
+        {s["call"]: s["anchor"] for s in segments if s.get("anchor")},
+    )
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
         lines += ["", "Steps that did not complete:", ""]
@@ -758,6 +788,7 @@ def main(argv: list[str]) -> list[dict]:
     plans = step_plans(ladder)
     chosen, anchor = selection(cfg, plans)
     repeats = repeat_count(cfg, ladder)
+    profile = ladder_profile.enabled(cfg, ladder)
     folder = Path(cfg.out_dir) / slug(device_name())
     kept, segments = earlier_results(folder / f"{ladder.name}.json")
     call = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")  # unique per call
@@ -799,6 +830,11 @@ def main(argv: list[str]) -> list[dict]:
         segments = [s for s in segments if s["call"] in calls and s["call"] != call]
         # After every run: a killed ladder keeps its results.
         errors = publish(ladder, rows, env, folder, [*segments, segment])
+    for plan in measured if profile else []:  # after every timed run: none of them is profiled
+        row = segment["anchor"] if plan is anchor else kept[plan["name"]]
+        if row["status"] == "ok":
+            row.update(profile_step(plan, ladder, cfg, runs_dir))
+            errors = publish(ladder, rows, env, folder, [*segments, segment])
     with contextlib.suppress(Exception):  # a table that cannot be made is in `errors` already
         table = markdown(ladder, rows, env, [*segments, segment])
         print("\n" + table.split("\n## ")[0], flush=True)  # the table, without the environment
