@@ -320,10 +320,11 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
 
 def closing_line(run_dir: Path, step: int, max_steps: int) -> str:
     state = "finished" if step == max_steps else "stopped"
+    # A finished run continues only with more steps: a number, so that the line pastes as printed.
+    more = [] if step < max_steps else [f"train.max_steps={2 * max_steps}"]
     return (
         f"[train] {state} at step {step}/{max_steps}; run folder {run_dir}\n"
-        f"  continue: {rundir.resume_command(run_dir)}"
-        f"{'' if step < max_steps else ' train.max_steps=<more>'}\n"
+        f"  continue: {rundir.resume_command(run_dir, *more)}\n"
         f"  sample:   {rundir.command('python', 'sample.py', f'run={run_dir}')}"
     )
 

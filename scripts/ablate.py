@@ -27,10 +27,12 @@ is `within_noise`. `steps=[...]` runs a segment of the ladder; unless it starts 
 step its first row is compared with (or `anchor=<step>`) runs beside it, so that its ratios come
 from one call, and its measurement is kept in the json's `segments`.
 
-Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, with the command, the git commit, the
-GPU, the driver and the library versions; rerunning some steps updates their rows. The table
-compares each row with step 0, or with the row named by the ladder's `reference` (the memory_xl
-ladder's target is relative to its `ac` row), in memory and in tokens/s; it is printed at the end.
+Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}` (`outputs/ablate/results/`, untracked;
+`publish=true` writes them into `docs/results/<device>/`, the shipped ones), with the command, the
+git commit, the GPU, the driver and the library versions; rerunning some steps updates their
+rows. The table compares each row with step 0, or with the row named by the ladder's `reference`
+(the memory_xl ladder's target is relative to its `ac` row), in memory and in tokens/s; it is
+printed at the end.
 A failing step, or a results file that cannot be written (its error is in the json's
 `report_errors`), never stops the steps after it.
 """
@@ -58,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 # The harness's own config, apart from conf/'s groups: train.py's search path does not see it.
 CONF = ROOT / "conf" / "ablate"
+PUBLISHED = ROOT / "docs" / "results"  # the shipped results: written only with publish=true
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -751,6 +754,12 @@ def earlier_results(path: Path) -> tuple[dict[str, dict], list[dict]]:
     return {r["name"]: r for r in result["steps"]}, result.get("segments", [])
 
 
+def results_dir(cfg: DictConfig) -> Path:
+    """Where the results go: `out_dir` (untracked), or the shipped docs/results with
+    `publish=true`, so that trying a ladder never overwrites the results the README quotes."""
+    return PUBLISHED if cfg.publish else Path(cfg.out_dir)
+
+
 def main(argv: list[str]) -> list[dict]:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("ablate", overrides=argv)
@@ -758,7 +767,7 @@ def main(argv: list[str]) -> list[dict]:
     plans = step_plans(ladder)
     chosen, anchor = selection(cfg, plans)
     repeats = repeat_count(cfg, ladder)
-    folder = Path(cfg.out_dir) / slug(device_name())
+    folder = results_dir(cfg) / slug(device_name())
     kept, segments = earlier_results(folder / f"{ladder.name}.json")
     call = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")  # unique per call
     runs_dir = Path(cfg.runs_dir).resolve() / f"{ladder.name}-{call}"
