@@ -1,0 +1,56 @@
+"""scripts/plot.py: a sweep folder's jobs compared in one PNG, the legend naming what each job
+varied; no empty panel (memory on a CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import load_script, tiny_run
+
+plot = load_script("plot")
+RUN = ("train.max_steps=2", "train.log_interval=1", "train.eval_interval=2",
+       "train.checkpoint_interval=0", "wandb.mode=disabled")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two tiny runs laid out as `python train.py -m train.lr=1e-3,2e-3` lays out its jobs."""
+    folder = tmp_path_factory.mktemp("multirun")
+    for job, lr in enumerate(("1e-3", "2e-3")):
+        tiny_run(folder / str(job), *RUN, f"train.lr={lr}")
+    (folder / "multirun.yaml").write_text("hydra: {}\n")
+    return folder
+
+
+def test_a_sweep_folder_plots_its_jobs_named_by_their_overrides(sweep) -> None:
+    out, names = plot.plot([sweep])
+    assert out == sweep / "metrics.png" and out.stat().st_size > 0
+    assert names == ["train.lr=1e-3", "train.lr=2e-3"]  # what the jobs share is left out
+
+
+def test_the_legend_names_each_job(sweep, tmp_path, monkeypatch) -> None:
+    import matplotlib.figure
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot.plot([sweep], tmp_path / "x.png")
+    legend = saved[0].axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["train.lr=1e-3", "train.lr=2e-3"]
+
+
+def test_no_empty_panel_on_a_cpu(sweep) -> None:
+    metrics = [plot.read_metrics(run / "metrics.jsonl") for run in plot.runs_in(sweep)]
+    assert [title.split()[0] for title, _, _ in plot.with_data(metrics)] == ["loss", "throughput"]
+
+
+def test_several_run_folders_plot_beside_them(sweep, capsys) -> None:
+    plot.main([str(sweep / "0"), str(sweep / "1")])
+    assert (sweep / "compare.png").is_file()
+    assert "2 run(s)" in capsys.readouterr().out
+
+
+def test_a_folder_without_runs_is_refused_in_one_line(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="no metrics.jsonl in it or in numbered job folders"):
+        plot.plot([tmp_path])
