@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 from omegaconf import OmegaConf  # noqa: E402
 
 from recipe.config import OVERRIDES_FILE  # noqa: E402
+from recipe.launch import own_overrides  # noqa: E402
 from recipe.rundir import METRICS, read_metrics  # noqa: E402
 
 # The panels: (title, y label, [(metric, line style)]): one metric name each, as in the console,
@@ -64,10 +65,8 @@ def overrides(run: Path) -> list[str]:
 def labels(runs: list[Path]) -> list[str]:
     """Each run's name in the legend: its overrides that not every run shares (its folder's name
     where that leaves nothing, e.g. a single run)."""
-    each = [overrides(run) for run in runs]
-    shared = set.intersection(*map(set, each)) if len(runs) > 1 else set()
-    names = [" ".join(o for o in own if o not in shared) for own in each]
-    return [name or run.name for name, run in zip(names, runs, strict=True)]
+    own = own_overrides([overrides(run) for run in runs])
+    return [" ".join(o) or run.name for o, run in zip(own, runs, strict=True)]
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -54,3 +54,49 @@ def test_several_run_folders_plot_beside_them(sweep, capsys) -> None:
 def test_a_folder_without_runs_is_refused_in_one_line(tmp_path) -> None:
     with pytest.raises(SystemExit, match="no metrics.jsonl in it or in numbered job folders"):
         plot.plot([tmp_path])
+
+
+# ---- the sweep's table at its end
+
+
+def _job(num: int, overrides: list[str], summary: dict | None) -> tuple:
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    done = JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=summary)
+    if summary is None:
+        done = JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=ValueError())
+    return OmegaConf.create({"hydra": {"job": {"num": num}}}), done
+
+
+def test_a_sweep_prints_its_table_when_its_last_job_ends(capsys) -> None:
+    from recipe.launch import SweepTable
+
+    table = SweepTable()
+    table.jobs = 3
+    ok = {"val/loss": 5.61234, "perf/tokens_per_sec": 12345.6, "completed": True}
+    table.on_job_end(*_job(0, ["train.max_steps=50", "train.lr=1e-3"], ok))
+    table.on_job_end(*_job(1, ["train.max_steps=50", "train.lr=2e-3"], None))
+    assert capsys.readouterr().out == ""  # not before the last job
+    table.on_job_end(*_job(2, ["train.max_steps=50", "train.lr=4e-3"], ok | {"stopped_by": None}))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "[train] sweep: 3 of 3 job(s) ran"
+    assert lines[2].split() == ["0", "train.lr=1e-3", "5.6123", "12,346", "ok"]
+    assert lines[3].split() == ["1", "train.lr=2e-3", "-", "-", "failed"]
+    assert lines[4].split()[:2] == ["2", "train.lr=4e-3"]
+
+
+def test_a_stopped_sweep_prints_its_table_too(capsys) -> None:
+    from recipe.launch import SweepTable
+
+    table = SweepTable()
+    table.jobs = 3
+    table.on_job_end(*_job(0, ["train.lr=1e-3"], {"stopped_by": "SIGTERM", "val/loss": 7.0}))
+    assert "stopped by SIGTERM" in capsys.readouterr().out
+
+
+def test_a_single_run_prints_no_table(capsys) -> None:
+    from recipe.launch import SweepTable
+
+    SweepTable().on_job_end(*_job(0, ["train.lr=1e-3"], {"completed": True}))
+    assert capsys.readouterr().out == ""
