@@ -5,6 +5,7 @@
     python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
     python scripts/ablate.py ladder=speed steps=[compile,amp_fp16] "extra=['+prof=trace']"
     python scripts/ablate.py ladder=speed repeats=5 steps=[custom_op]   # anchored on memmap
+    python scripts/ablate.py report=docs/results/<gpu>/memory_xl.json   # redraw its chart only
 
 A ladder (`conf/ablate/ladder/<name>.yaml`) is a workload (overrides and stages every step runs
 with) and a list of steps; each step adds stages (`+opt=...`) and overrides to the ones before it
@@ -645,7 +646,13 @@ def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
     from matplotlib.patches import Patch
 
     x = range(len(rows))
-    fig, (speed, memory) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows)), 7), sharex=True)
+    alloc = [r.get("peak_allocated_gib") or 0 for r in rows]
+    reserved = [r.get("peak_reserved_gib") or 0 for r in rows]
+    has_memory = any(alloc) or any(reserved)  # a CPU ladder has none: no empty panel
+    fig, axes = plt.subplots(
+        1 + has_memory, 1, figsize=(max(6, 0.9 * len(rows)), 7 if has_memory else 4), sharex=True
+    )
+    speed, memory = (axes[0], axes[1]) if has_memory else (axes, None)
     tps = [(r.get("tokens_per_sec") or 0) / 1e3 for r in rows]
     bars = [_error_bar(r) for r in rows]
     low, high = [b[0] for b in bars], [b[1] for b in bars]
@@ -663,22 +670,31 @@ def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
     if any(noise):
         grey = Patch(facecolor="lightgray", hatch="//", edgecolor="gray")
         speed.legend([grey], ["within noise of the row it is compared with"], loc="upper left")
-    alloc = [r.get("peak_allocated_gib") or 0 for r in rows]
-    reserved = [r.get("peak_reserved_gib") or 0 for r in rows]
-    memory.bar([i - 0.2 for i in x], alloc, width=0.4, label="peak allocated", color="tab:orange")
-    memory.bar([i + 0.2 for i in x], reserved, width=0.4, label="peak reserved", color="tab:gray")
-    memory.set_ylabel("GiB per GPU")
-    memory.legend()
-    if not any(alloc):
-        memory.text(0.5, 0.5, "no GPU memory to show", transform=memory.transAxes, ha="center")
+    if memory is not None:
+        memory_bars(memory, ladder, alloc, reserved)
     for i, row in enumerate(rows):
         if row["status"] != "ok":
             speed.annotate(row["status"], (i, 0), ha="center", va="bottom", color="red")
-    memory.set_xticks(list(x), [f"{r['index']} {r['name']}" for r in rows], rotation=30, ha="right")
+    (memory or speed).set_xticks(
+        list(x), [f"{r['index']} {r['name']}" for r in rows], rotation=30, ha="right"
+    )
     speed.set_title(f"ladder {ladder.name}: {env['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def memory_bars(ax: Any, ladder: DictConfig, alloc: list[float], reserved: list[float]) -> None:
+    """Peak allocated and reserved memory per row, and the ladder's target (`target_gib`) as a
+    line: a row under it met the memory goal."""
+    x = range(len(alloc))
+    ax.bar([i - 0.2 for i in x], alloc, width=0.4, label="peak allocated", color="tab:orange")
+    ax.bar([i + 0.2 for i in x], reserved, width=0.4, label="peak reserved", color="tab:gray")
+    target = ladder.get("target_gib")
+    if target is not None:
+        ax.axhline(target, color="tab:red", linestyle="--", label=f"target: {target:g} GiB")
+    ax.set_ylabel("GiB per GPU")
+    ax.legend()
 
 
 def _error_bar(row: dict) -> tuple[float, float]:
@@ -760,9 +776,25 @@ def results_dir(cfg: DictConfig) -> Path:
     return PUBLISHED if cfg.publish else Path(cfg.out_dir)
 
 
+def report(path: Path) -> list[dict]:
+    """Redraws the chart of a results json (`<ladder>.json`) beside it and prints its table,
+    running nothing: for a chart whose drawing changed, on a machine without the GPU."""
+    if not path.is_file():
+        raise SystemExit(f"ablate.py: report={path}: no such file; give a <ladder>.json result")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        ladder = compose("ablate", overrides=[f"ladder={path.stem}"]).ladder
+    result = json.loads(path.read_text())
+    chart(ladder, result["steps"], result["environment"], path.with_suffix(".png"))
+    table = markdown(ladder, result["steps"], result["environment"], result.get("segments", []))
+    print(table.split("\n## ")[0] + f"\n[ablate] chart: {path.with_suffix('.png')}", flush=True)
+    return result["steps"]
+
+
 def main(argv: list[str]) -> list[dict]:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("ablate", overrides=argv)
+    if cfg.report:
+        return report(Path(cfg.report))
     ladder = cfg.ladder
     plans = step_plans(ladder)
     chosen, anchor = selection(cfg, plans)
