@@ -100,3 +100,20 @@ def test_a_single_run_prints_no_table(capsys) -> None:
 
     SweepTable().on_job_end(*_job(0, ["train.lr=1e-3"], {"completed": True}))
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.slow  # a two-job sweep in a subprocess: ~40 s on 2 shared cores
+def test_a_real_sweep_prints_its_table_and_plots_its_jobs(tmp_path) -> None:
+    import subprocess
+
+    from conftest import ROOT, TINY, python
+
+    sweep = [python(), "train.py", "-m", *TINY, *RUN, "train.lr=1e-3,2e-3",
+             f"hydra.sweep.dir={tmp_path}"]  # fmt: skip
+    done = subprocess.run(sweep, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout[done.stdout.index("[train] sweep: 2 of 2 job(s) ran") :].splitlines()
+    assert [line.split()[1] for line in table[2:4]] == ["train.lr=0.001", "train.lr=0.002"]
+    drawn = subprocess.run([python(), "scripts/plot.py", str(tmp_path)], cwd=ROOT, timeout=120)
+    assert drawn.returncode == 0 and (tmp_path / "metrics.png").is_file()
+    assert plot.labels(plot.runs_in(tmp_path)) == ["train.lr=0.001", "train.lr=0.002"]
