@@ -2,8 +2,8 @@
 (forward, backward, clip, step; log, evaluate, checkpoint), then a final save and samples.
 
     python train.py                                   # tiny model on the bundled plays
-    python train.py model=gpt2 +opt=[amp,compile]     # GPT-2 124M, mixed precision, compiled
-    torchrun --nproc_per_node=4 train.py model=gpt2-large +opt=[fsdp,amp]
+    python train.py model=gpt2 '+opt=[amp,compile]'   # GPT-2 124M, mixed precision, compiled
+    torchrun --standalone --nproc_per_node=4 train.py model=gpt2-large '+opt=[fsdp,amp]'
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
     python scripts/ablate.py ladder=speed           # the book's speed ladder, then beyond
     python scripts/ablate.py ladder=memory          # the book's memory ladder
     python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
-    python scripts/ablate.py ladder=speed steps=[compile,amp_fp16] "extra=['+prof=trace']"
-    python scripts/ablate.py ladder=speed repeats=5 steps=[custom_op]   # anchored on memmap
+    python scripts/ablate.py ladder=speed 'steps=[compile,amp_fp16]' "extra=['+prof=trace']"
+    python scripts/ablate.py ladder=speed repeats=5 'steps=[custom_op]'  # anchored on memmap
     python scripts/ablate.py report=docs/results/<gpu>/memory_xl.json   # redraw its chart only
 
 A ladder (`conf/ablate/ladder/<name>.yaml`) is a workload (overrides and stages every step runs
