@@ -2,8 +2,8 @@
 (forward, backward, clip, step; log, evaluate, checkpoint), then a final save and samples.
 
     python train.py                                   # tiny model on the bundled plays
-    python train.py model=gpt2 +opt=[amp,compile]     # GPT-2 124M, mixed precision, compiled
-    torchrun --nproc_per_node=4 train.py model=gpt2-large +opt=[fsdp,amp]
+    python train.py model=gpt2 '+opt=[amp,compile]'   # GPT-2 124M, mixed precision, compiled
+    torchrun --standalone --nproc_per_node=4 train.py model=gpt2-large '+opt=[fsdp,amp]'
 """
 
 from __future__ import annotations
@@ -320,10 +320,11 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
 
 def closing_line(run_dir: Path, step: int, max_steps: int) -> str:
     state = "finished" if step == max_steps else "stopped"
+    # A finished run continues only with more steps: a number, so that the line pastes as printed.
+    more = [] if step < max_steps else [f"train.max_steps={2 * max_steps}"]
     return (
         f"[train] {state} at step {step}/{max_steps}; run folder {run_dir}\n"
-        f"  continue: {rundir.resume_command(run_dir)}"
-        f"{'' if step < max_steps else ' train.max_steps=<more>'}\n"
+        f"  continue: {rundir.resume_command(run_dir, *more)}\n"
         f"  sample:   {rundir.command('python', 'sample.py', f'run={run_dir}')}"
     )
 

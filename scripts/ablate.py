@@ -3,9 +3,10 @@
     python scripts/ablate.py ladder=speed           # the book's speed ladder, then beyond
     python scripts/ablate.py ladder=memory          # the book's memory ladder
     python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
-    python scripts/ablate.py ladder=speed steps=[compile,amp_fp16] "extra=['+prof=trace']"
-    python scripts/ablate.py ladder=speed repeats=5 steps=[custom_op]   # anchored on memmap
+    python scripts/ablate.py ladder=speed 'steps=[compile,amp_fp16]' "extra=['+prof=trace']"
+    python scripts/ablate.py ladder=speed repeats=5 'steps=[custom_op]'  # anchored on memmap
     python scripts/ablate.py ladder=speed profile=true  # + each row's time by kernel family
+    python scripts/ablate.py report=docs/results/<gpu>/memory_xl.json   # redraw its chart only
 
 A ladder (`conf/ablate/ladder/<name>.yaml`) is a workload (overrides and stages every step runs
 with) and a list of steps; each step adds stages (`+opt=...`) and overrides to the ones before it
@@ -33,10 +34,12 @@ the timed runs, briefly, under the profiler; its row gains `families_ms`, the st
 kernel family, and the table the change of each family against the row before
 (scripts/ladder_profile.py).
 
-Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, with the command, the git commit, the
-GPU, the driver and the library versions; rerunning some steps updates their rows. The table
-compares each row with step 0, or with the row named by the ladder's `reference` (the memory_xl
-ladder's target is relative to its `ac` row), in memory and in tokens/s; it is printed at the end.
+Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}` (`outputs/ablate/results/`, untracked;
+`publish=true` writes them into `docs/results/<device>/`, the shipped ones), with the command, the
+git commit, the GPU, the driver and the library versions; rerunning some steps updates their
+rows. The table compares each row with step 0, or with the row named by the ladder's `reference`
+(the memory_xl ladder's target is relative to its `ac` row), in memory and in tokens/s; it is
+printed at the end.
 A failing step, or a results file that cannot be written (its error is in the json's
 `report_errors`), never stops the steps after it.
 """
@@ -65,6 +68,7 @@ sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 sys.path.append(str(Path(__file__).resolve().parent))  # ladder_profile.py, next to this file
 # The harness's own config, apart from conf/'s groups: train.py's search path does not see it.
 CONF = ROOT / "conf" / "ablate"
+PUBLISHED = ROOT / "docs" / "results"  # the shipped results: written only with publish=true
 
 import ladder_profile  # noqa: E402
 import numpy as np  # noqa: E402
@@ -672,7 +676,13 @@ def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
     from matplotlib.patches import Patch
 
     x = range(len(rows))
-    fig, (speed, memory) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows)), 7), sharex=True)
+    alloc = [r.get("peak_allocated_gib") or 0 for r in rows]
+    reserved = [r.get("peak_reserved_gib") or 0 for r in rows]
+    has_memory = any(alloc) or any(reserved)  # a CPU ladder has none: no empty panel
+    fig, axes = plt.subplots(
+        1 + has_memory, 1, figsize=(max(6, 0.9 * len(rows)), 7 if has_memory else 4), sharex=True
+    )
+    speed, memory = (axes[0], axes[1]) if has_memory else (axes, None)
     tps = [(r.get("tokens_per_sec") or 0) / 1e3 for r in rows]
     bars = [_error_bar(r) for r in rows]
     low, high = [b[0] for b in bars], [b[1] for b in bars]
@@ -690,22 +700,31 @@ def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
     if any(noise):
         grey = Patch(facecolor="lightgray", hatch="//", edgecolor="gray")
         speed.legend([grey], ["within noise of the row it is compared with"], loc="upper left")
-    alloc = [r.get("peak_allocated_gib") or 0 for r in rows]
-    reserved = [r.get("peak_reserved_gib") or 0 for r in rows]
-    memory.bar([i - 0.2 for i in x], alloc, width=0.4, label="peak allocated", color="tab:orange")
-    memory.bar([i + 0.2 for i in x], reserved, width=0.4, label="peak reserved", color="tab:gray")
-    memory.set_ylabel("GiB per GPU")
-    memory.legend()
-    if not any(alloc):
-        memory.text(0.5, 0.5, "no GPU memory to show", transform=memory.transAxes, ha="center")
+    if memory is not None:
+        memory_bars(memory, ladder, alloc, reserved)
     for i, row in enumerate(rows):
         if row["status"] != "ok":
             speed.annotate(row["status"], (i, 0), ha="center", va="bottom", color="red")
-    memory.set_xticks(list(x), [f"{r['index']} {r['name']}" for r in rows], rotation=30, ha="right")
+    (memory or speed).set_xticks(
+        list(x), [f"{r['index']} {r['name']}" for r in rows], rotation=30, ha="right"
+    )
     speed.set_title(f"ladder {ladder.name}: {env['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def memory_bars(ax: Any, ladder: DictConfig, alloc: list[float], reserved: list[float]) -> None:
+    """Peak allocated and reserved memory per row, and the ladder's target (`target_gib`) as a
+    line: a row under it met the memory goal."""
+    x = range(len(alloc))
+    ax.bar([i - 0.2 for i in x], alloc, width=0.4, label="peak allocated", color="tab:orange")
+    ax.bar([i + 0.2 for i in x], reserved, width=0.4, label="peak reserved", color="tab:gray")
+    target = ladder.get("target_gib")
+    if target is not None:
+        ax.axhline(target, color="tab:red", linestyle="--", label=f"target: {target:g} GiB")
+    ax.set_ylabel("GiB per GPU")
+    ax.legend()
 
 
 def _error_bar(row: dict) -> tuple[float, float]:
@@ -781,15 +800,37 @@ def earlier_results(path: Path) -> tuple[dict[str, dict], list[dict]]:
     return {r["name"]: r for r in result["steps"]}, result.get("segments", [])
 
 
+def results_dir(cfg: DictConfig) -> Path:
+    """Where the results go: `out_dir` (untracked), or the shipped docs/results with
+    `publish=true`, so that trying a ladder never overwrites the results the README quotes."""
+    return PUBLISHED if cfg.publish else Path(cfg.out_dir)
+
+
+def report(path: Path) -> list[dict]:
+    """Redraws the chart of a results json (`<ladder>.json`) beside it and prints its table,
+    running nothing: for a chart whose drawing changed, on a machine without the GPU."""
+    if not path.is_file():
+        raise SystemExit(f"ablate.py: report={path}: no such file; give a <ladder>.json result")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        ladder = compose("ablate", overrides=[f"ladder={path.stem}"]).ladder
+    result = json.loads(path.read_text())
+    chart(ladder, result["steps"], result["environment"], path.with_suffix(".png"))
+    table = markdown(ladder, result["steps"], result["environment"], result.get("segments", []))
+    print(table.split("\n## ")[0] + f"\n[ablate] chart: {path.with_suffix('.png')}", flush=True)
+    return result["steps"]
+
+
 def main(argv: list[str]) -> list[dict]:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("ablate", overrides=argv)
+    if cfg.report:
+        return report(Path(cfg.report))
     ladder = cfg.ladder
     plans = step_plans(ladder)
     chosen, anchor = selection(cfg, plans)
     repeats = repeat_count(cfg, ladder)
     profile = ladder_profile.enabled(cfg, ladder)
-    folder = Path(cfg.out_dir) / slug(device_name())
+    folder = results_dir(cfg) / slug(device_name())
     kept, segments = earlier_results(folder / f"{ladder.name}.json")
     call = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")  # unique per call
     runs_dir = Path(cfg.runs_dir).resolve() / f"{ladder.name}-{call}"
