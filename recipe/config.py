@@ -262,12 +262,13 @@ def register_resolvers() -> None:
 
 
 def _header(path: Path) -> str:
-    """A yaml file's opening comment, as one line."""
+    """A yaml file's opening comment, as one line (without Hydra's `# @package` line)."""
     lines = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        lines.append(line.lstrip("#").strip())
+        if not line.lstrip("#").strip().startswith("@package"):
+            lines.append(line.lstrip("#").strip())
     return " ".join(lines)
 
 
