@@ -20,7 +20,7 @@ from conftest import ROOT, python
 spec = importlib.util.spec_from_file_location("plan_memory", ROOT / "scripts/plan_memory.py")
 plan_memory = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
 sys.modules["plan_memory"] = plan_memory
-spec.loader.exec_module(plan_memory)  # type: ignore[union-attr]
+spec.loader.exec_module(plan_memory)
 
 ROWS = [
     (gpu, ladder, row["name"])
