@@ -57,7 +57,6 @@ import opt  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from opt.ac import apply_ac  # noqa: E402
 from opt.custom_op import apply_custom_op  # noqa: E402
-from opt.offload import offloads  # noqa: E402
 from recipe import config as recipe_config  # noqa: E402
 from recipe.distributed import Distributed  # noqa: E402
 
@@ -206,10 +205,8 @@ def plan_setup(cfg: DictConfig, nproc: int) -> Setup:
     else:
         # PyTorch's default on a GPU is foreach (multi-tensor)
         optimizer = next((s for s in ("forloop", "foreach", "fused") if s in stages), "foreach")
+    # The planned run is on a GPU, where offload acts (opt.offload.offloads)
     sharded = "fsdp" if "fsdp" in stages else "offload" if "offload" in stages else ""
-    cuda = torch.device("cuda")  # the planned run's device: offload acts there
-    if sharded == "offload" and not offloads(cuda):
-        sharded = ""
     return Setup(
         stages=stages, world=nproc, tokens=p.micro_batch_size * cfg.model.block_size,
         micro_steps=p.micro_steps, defer_reduce=p.defer_reduce,
@@ -259,13 +256,10 @@ def gradients(s: Shapes, u: Setup) -> dict[str, float]:
         return moments(all=0)
     if u.sharded == "offload":  # copied to the host as produced: the root's and one block's
         return moments(all=0, backward=4 * s.root, backward_end=4 * (s.root + s.block))
-    if (
-        u.sharded == "fsdp"
-    ):  # sharded after each block's reduce-scatter; the root's whole to the end
+    if u.sharded == "fsdp":  # sharded by each block's reduce-scatter; the root's whole to the end
         shard = everything / u.world
-        earlier = shard if u.micro_steps > 1 and not u.defer_reduce else 0
-        if u.micro_steps > 1 and u.defer_reduce:
-            earlier = everything
+        # earlier micro-batches' gradients: sharded, or whole when their reduction waits
+        earlier = 0 if u.micro_steps == 1 else everything if u.defer_reduce else shard
         return moments(
             forward=earlier, loss_backward=earlier + head, backward=earlier + 4 * s.root,
             backward_end=shard + 4 * s.root, step=shard,
@@ -302,7 +296,8 @@ def optimizer_state(s: Shapes, u: Setup) -> dict[str, float]:
     temporary = {"foreach": 4 * s.params, "forloop": 4 * max(s.sizes)}.get(u.optimizer, 0)
     shard = u.world if u.sharded == "fsdp" else 1
     if u.step_in_backward:  # each update in backward: one parameter's temporaries at a time
-        return moments(all=state / shard, backward_end=(state + 4 * max(s.sizes) * bool(temporary)))
+        one = 4 * max(s.sizes) if temporary else 0  # foreach over a list of one: as the for-loop
+        return moments(all=state, backward_end=state + one)
     return moments(all=state / shard, step=(state + temporary) / shard)
 
 
@@ -598,7 +593,10 @@ def main(argv: list[str]) -> int:
         budget = compose(overrides)[2]
         if budget is None:
             raise SystemExit("plan_memory.py --fit: give the card's memory, e.g. budget=22GiB")
-        for r in fit(budget):
+        found = fit(budget)
+        if not found:
+            print(f"no measured configuration is predicted to fit {budget:g} GiB")
+        for r in found:
             print(f"{r['tokens_per_sec']:>10,.0f} tokens/s  {r['peak_gib']:6.2f} GiB  "
                   f"{r['ladder']}/{r['name']}\n    {r['command']}")  # fmt: skip
         return 0
