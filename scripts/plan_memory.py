@@ -81,6 +81,12 @@ VALIDATED = (  # (gpu folder, ladder): every ok row of these is checked by --val
     ("nvidia-h100-80gb-hbm3", "memory_xl"),
     ("nvidia-h200", "memory"),
 )
+# Shown by --validate for information, not validated (see the gaps memory_plan.md names)
+INFORMATIVE = (
+    ("nvidia-h100-80gb-hbm3", "stages"),
+    ("nvidia-h200", "stages"),
+    ("nvidia-h100-80gb-hbm3", "speed"),
+)
 FIT_LADDERS = ("memory_xl", "speed")  # --fit's candidates: these ladders' measured rows
 FIT_GPU = "nvidia-h100-80gb-hbm3"  # whose measured tokens/s rank the candidates
 TOLERANCE = 0.10  # --validate fails a row predicted more than 10% off
@@ -504,23 +510,15 @@ def predict_overrides(overrides: list[str]) -> Prediction:
     return predict(cfg, nproc)
 
 
-def validate() -> tuple[str, int]:
-    """The table of predicted against measured peaks of every validated row, and how many are
-    off by more than TOLERANCE."""
+def comparison(ladders: tuple[tuple[str, str], ...]) -> tuple[list[str], int]:
+    """Table rows of predicted against measured peaks for every ok row of `ladders`, and how
+    many are off by more than TOLERANCE."""
     lines = [
-        "# The memory planner against the measured peaks",
-        "",
-        "`python scripts/plan_memory.py --validate`: every ok row of the ladders below, its "
-        "train.py command planned by `scripts/plan_memory.py` (shapes and stages only, on a CPU) "
-        f"and compared with its measured peak allocated memory; a row off by more than "
-        f"{TOLERANCE:.0%} fails. The one calibrated constant: slack = {SLACK:.1%} of the "
-        "modelled bytes (scripts/plan_memory.py says what it stands for).",
-        "",
         "| GPU | ladder | row | predicted GiB | measured GiB | error | peak at | sets the peak |",
         "|---|---|---|---|---|---|---|---|",
     ]
     off = 0
-    for gpu, ladder in VALIDATED:
+    for gpu, ladder in ladders:
         for row in measured_rows(gpu, ladder):
             p = predict_overrides(row_overrides(row))
             measured = row["peak_allocated_gib"]
@@ -531,13 +529,41 @@ def validate() -> tuple[str, int]:
                 f"| {gpu} | {ladder} | `{row['name']}` | {p.peak_gib:.2f} | {measured:.2f} | "
                 f"{error:+.1%}{flag} | {p.when} | {p.sets_peak} |"
             )
-    lines += [
+    return lines, off
+
+
+def validate() -> tuple[str, int]:
+    """memory_plan.md: the validated rows' table, then the other ladders' for information, and
+    how many validated rows are off by more than TOLERANCE."""
+    validated, off = comparison(VALIDATED)
+    informative, _ = comparison(INFORMATIVE)
+    lines = [
+        "# The memory planner against the measured peaks",
+        "",
+        "`python scripts/plan_memory.py --validate`: every ok row of the memory ladders, its "
+        "train.py command planned by `scripts/plan_memory.py` (shapes and stages only, on a CPU) "
+        f"and compared with its measured peak allocated memory; a row off by more than "
+        f"{TOLERANCE:.0%} fails. The one calibrated constant: slack = {SLACK:.1%} of the "
+        "modelled bytes (scripts/plan_memory.py says what it stands for). The H200 rows are here "
+        "too: the planner knows no GPU.",
+        "",
+        *validated,
         "",
         "Peak at: the phase and moment of the step whose sum is largest (forward: the loss just "
         "computed; loss_backward: the loss's gradients; backward: the last block's; "
         "backward_end: the first block's, every gradient present; step: the optimizer update). "
-        "Sets the peak: the largest category there. The H200 rows are here too: one table for "
-        "the planner, which knows no GPU.",
+        "Sets the peak: the largest category there.",
+        "",
+        "## Not validated: the stages and speed ladders (GPT-2 124M, T=1024)",
+        "",
+        "For information, not counted by --validate. Two known gaps: (1) eager GPT-2 124M rows at "
+        "T=1024 measure 7-20% above the prediction, about one more (tokens x vocabulary) tensor "
+        "in the compute dtype at the loss than the model counts (the T=128 memory rows, where "
+        "the logits weigh less, do not show it; not identified yet); (2) +opt=compile is "
+        "planned as eager, an upper bound (Inductor fuses the loss and the elementwise ops: "
+        "compiled rows measure up to half the prediction). --fit is conservative for both kinds.",
+        "",
+        *informative,
     ]
     return "\n".join(lines) + "\n", off
 

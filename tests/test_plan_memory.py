@@ -47,7 +47,8 @@ def test_every_measured_row_is_predicted_within_tolerance(gpu: str, ladder: str,
 
 
 def test_the_published_table_lists_every_validated_row() -> None:
-    table = (ROOT / "docs/results" / plan_memory.FIT_GPU / "memory_plan.md").read_text()
+    text = (ROOT / "docs/results" / plan_memory.FIT_GPU / "memory_plan.md").read_text()
+    table = text.split("## Not validated")[0]  # the informative tables follow
     for gpu, ladder, name in ROWS:
         assert f"| {gpu} | {ladder} | `{name}` |" in table
     assert "**off**" not in table
