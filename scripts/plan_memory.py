@@ -179,6 +179,8 @@ def compose(overrides: list[str]) -> tuple[DictConfig, int, float | None]:
     for item in overrides:
         if item.startswith("nproc="):
             nproc = int(item.split("=", 1)[1])
+            if nproc < 1:
+                raise ValueError(f"nproc={nproc}: the number of processes, >= 1")
         elif item.startswith("budget="):
             budget = parse_size(item.split("=", 1)[1])
         else:
@@ -190,11 +192,12 @@ def compose(overrides: list[str]) -> tuple[DictConfig, int, float | None]:
 
 
 def parse_size(text: str) -> float:
-    """`24GiB`, `24GB` (taken as GiB, as the cards are sold) or `24` -> GiB."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*(GiB|GB|G)?\s*", text)
+    """`22GiB` or `22` (GiB), or `24GB` (10^9 bytes, as cards are sold) -> GiB."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(GiB|GB)?\s*", text)
     if not match:
-        raise ValueError(f"budget={text!r}: give a size in GiB, e.g. budget=24GiB")
-    return float(match.group(1))
+        raise ValueError(f"budget={text!r}: give a size in GiB, e.g. budget=22GiB")
+    value = float(match.group(1))
+    return value * 1e9 / GIB if match.group(2) == "GB" else value
 
 
 def plan_setup(cfg: DictConfig, nproc: int) -> Setup:

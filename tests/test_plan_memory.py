@@ -97,6 +97,11 @@ def test_fit_lists_the_fastest_fitting_rows_first_with_their_commands(monkeypatc
     assert "lowbit" not in [r["name"] for r in plan_memory.fit(14)]
 
 
+def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
+    assert plan_memory.parse_size("22GiB") == plan_memory.parse_size("22") == 22
+    assert plan_memory.parse_size("24GB") == pytest.approx(22.35, abs=0.01)
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -104,6 +109,7 @@ def test_fit_lists_the_fastest_fitting_rows_first_with_their_commands(monkeypatc
         (["+opt=[amp,ac]", "opt.ac.mode=bogus"], "opt.ac.mode='bogus'"),
         (["train.batch_size=0"], "train.batch_size must be"),
         (["budget=lots"], "budget='lots'"),
+        (["nproc=0"], "nproc=0"),
         (["--fit"], "budget=22GiB"),
         (["--jsn"], "unknown flag"),
     ],
