@@ -26,7 +26,7 @@ import opt
 from model import GPT, GPTConfig
 from recipe import checkpoint, config, distributed, generate, launch, rundir
 from recipe.guard import NonFiniteGuard
-from recipe.hardware import peak_flops
+from recipe.hardware import cap_memory, peak_flops
 from recipe.metrics import LoopMeter, MetricLogger, memory_gib, reset_memory_peaks
 from recipe.profiling import Profiler
 from recipe.schedule import learning_rate, set_learning_rate
@@ -165,6 +165,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         cfg, overrides = config.for_resume(run_dir, overrides)
     config.validate(cfg)
     dist = distributed.init(cfg.device)
+    cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None

@@ -96,6 +96,7 @@ NUMBERS: dict[str, Number] = {
     "train.max_bad_steps": count(1),
     "perf.warmup_steps": count(0),
     "perf.peak_tflops": positive(nullable=True),
+    "perf.memory_cap_gib": positive(nullable=True),
     "sample.num_samples": count(0),
     "sample.max_new_tokens": count(1),
     "sample.temperature": positive(),

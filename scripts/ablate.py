@@ -21,6 +21,10 @@ A step may run on several GPUs: `nproc: N` processes under torchrun, and with `n
 127.0.0.1, the GPUs split between them with CUDA_VISIBLE_DEVICES). Its row carries `gpus` and a
 per-GPU `efficiency`: tokens/s / (gpus x tokens/s of the nearest 1-GPU row above it).
 
+A step may set `memory_cap_gib: X` (that step only, not carried to the next): its train.py runs
+with `perf.memory_cap_gib=X`, allowed X GiB of the GPU as a card of that size would allow, and
+a run that needs more fails as out of memory; the row records the cap.
+
 Repeats: each step runs `repeats` times (3 on a GPU, 1 on a CPU, unless the ladder or the command
 line says), interleaved A B C A B C so that drift touches every row alike; a row is the median of
 its runs with their min–max (and a bootstrap 95% CI of the median from 3 runs), and its tokens/s
@@ -114,6 +118,7 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
         stages = [s for s in stages if s not in step.get("drop", [])]
         overrides = overrides + list(step.get("overrides", []))
         nproc, nnodes = step.get("nproc", 1), step.get("nnodes", 1)
+        cap = step.get("memory_cap_gib")  # this step's only
         plans.append(
             {
                 "index": index,
@@ -129,6 +134,7 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
                 else "ddp"
                 if nproc * nnodes > 1
                 else "single",
+                **({"memory_cap_gib": cap} if cap else {}),
             }
         )
     return plans
@@ -145,6 +151,7 @@ def launches(
         *ladder.workload,
         *stages,
         *plan["overrides"],
+        *([f"perf.memory_cap_gib={cap}"] if (cap := plan.get("memory_cap_gib")) else []),
         *extra,
         f"hydra.run.dir={run_dir}",
         f"wandb.group=ladder-{ladder.name}",
@@ -611,7 +618,7 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
         cells = [
             str(row["index"]),
             f"`{row['name']}`",
-            row["what"],
+            row["what"] + (f" (cap {cap} GiB)" if (cap := row.get("memory_cap_gib")) else ""),
             *([_gpus(row)] if scaling else []),
             _tokens_cell(row),
             *([_fmt(row.get("efficiency"), ".3f")] if scaling else []),
@@ -778,7 +785,8 @@ def publish(
 
 
 CSV_COLUMNS = [
-    "index", "name", "what", "status", "stages", "nproc", "nnodes", "gpus", "strategy",
+    "index", "name", "what", "status", "stages", "nproc", "nnodes", "gpus", "memory_cap_gib",
+    "strategy",
     *(c for c, _ in NUMBERS), "repeats", "ratio", "ratio_vs", "within_noise",
     "efficiency", "efficiency_vs", "wall_s", "git_commit", "command", "error",
 ]  # fmt: skip
