@@ -8,6 +8,7 @@ one-process totals."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import CONF, load_script, logged, tiny_run
+from conftest import CONF, ROOT, TINY, load_script, logged, tiny_run
 from data.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig
-from recipe import hellaswag
+from recipe import distributed, hellaswag
 from recipe.distributed import Distributed
 
 CPU = torch.device("cpu")
@@ -247,6 +248,25 @@ def test_ranks_split_the_items_and_sum_to_one_process(tiny_gpt) -> None:
     finally:
         hook.remove()
     assert torch.equal(torch.stack(per_rank).sum(0), alone)
+
+
+@pytest.mark.distributed
+def test_fsdp_on_two_processes_scores_as_one_process(task_file, tmp_path) -> None:
+    # 5 items: 3 on rank 0, 2 on rank 1, which runs a spare forward (FSDP gathers in each).
+    run = (
+        "train.max_steps=1", "train.hellaswag=true", "train.hellaswag_items=5",
+        f"train.hellaswag_file={task_file}", "sample.num_samples=0", "wandb.mode=disabled",
+    )  # fmt: skip
+    tiny_run(tmp_path / "one", *run)
+    command = [*distributed.torchrun(2), "train.py", *TINY, *run, "+opt=fsdp"]
+    done = subprocess.run(
+        [*command, f"hydra.run.dir={tmp_path / 'fsdp'}"], cwd=ROOT, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for c in hellaswag.CONVENTIONS:
+        key = f"val/hellaswag_{c}"
+        assert logged(tmp_path / "fsdp", key)[0] == logged(tmp_path / "one", key)[0]
 
 
 def test_the_hub_dataset_is_read_from_the_cache_or_asked_for_in_one_line(tmp_path) -> None:
