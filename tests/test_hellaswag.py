@@ -250,6 +250,7 @@ def test_ranks_split_the_items_and_sum_to_one_process(tiny_gpt) -> None:
     assert torch.equal(torch.stack(per_rank).sum(0), alone)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_on_two_processes_scores_as_one_process(task_file, tmp_path) -> None:
     # 5 items: 3 on rank 0, 2 on rank 1, which runs a spare forward (FSDP gathers in each).
