@@ -4,11 +4,11 @@ most likely, scored by the three conventions the field reports under these names
 - `acc`, `acc_norm`: as EleutherAI's lm-evaluation-harness scores its `hellaswag` task
   (lm_eval/tasks/hellaswag/utils.py and hellaswag.yaml; lm_eval/api/task.py, ConfigurableTask's
   construct_requests and process_results for `multiple_choice`; lm_eval/api/model.py's
-  _encode_pair). The context is preprocess(activity_label + ": " + ctx_a + " " +
-  ctx_b.capitalize()), each choice preprocess(ending), scored as the continuation " " + choice.
-  acc picks the highest summed log-likelihood of the continuation's tokens; acc_norm that sum
-  divided by len(choice) in characters (the choice without the leading space: process_results'
-  `completion_len = [len(i) for i in choices]`).
+  _encode_pair; read at commit 4e7e0d47, 2026-08-21). The context is
+  preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()), each choice
+  preprocess(ending), scored as the continuation " " + choice. acc picks the highest summed
+  log-likelihood of the continuation's tokens; acc_norm that sum divided by len(choice) in
+  characters (the choice without the leading space: process_results' `completion_len`).
 - `acc_token_mean`: as build-nanogpt's and llm.c's hellaswag.py score it: the tokens of `ctx`
   followed by those of " " + ending, each encoded alone; the lowest mean cross-entropy per
   ending token. The number their training logs call acc_norm.
@@ -44,23 +44,26 @@ Pairs = list[tuple[list[int], list[int]]]  # (context tokens, continuation token
 # ---- the items
 
 
-def load_items(task_file: str | None, cache_dir: str, limit: int | None = None) -> list[dict]:
-    """The validation items of `task_file` (a jsonl in the dataset's format), or of the hub
-    dataset, saved as a jsonl in `cache_dir` on first use; the first `limit` (>= 1) if given."""
+def load_items(
+    task_file: str | None, cache_dir: str, limit: int | None = None, key: str = "task_file"
+) -> list[dict]:
+    """The validation items of `task_file` (a jsonl in the dataset's format; `key` is the setting
+    that named it), or of the hub dataset, saved as a jsonl in `cache_dir` on first use; the
+    first `limit` (>= 1) if given."""
     if task_file is None:
-        return read_jsonl(cached_hub_file(cache_dir))[:limit]
+        return read_jsonl(cached_hub_file(cache_dir, key))[:limit]
     path = Path(str(task_file)).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"task_file={task_file}: no such file; give a HellaSwag jsonl")
+        raise FileNotFoundError(f"{key}={task_file}: no such file; give a HellaSwag jsonl")
     items = read_jsonl(path)
     if not items:
-        raise ValueError(f"task_file={task_file}: no items in it; give a HellaSwag jsonl")
+        raise ValueError(f"{key}={task_file}: no items in it; give a HellaSwag jsonl")
     return items[:limit]
 
 
-def cached_hub_file(cache_dir: str) -> Path:
+def cached_hub_file(cache_dir: str, key: str = "task_file") -> Path:
     """`<cache_dir>/hellaswag/validation.jsonl`, downloaded from the hub the first time (copy it
-    to a machine without network, or pass it as task_file=)."""
+    to a machine without network, or pass it as `key`=)."""
     path = Path(cache_dir).expanduser() / "hellaswag" / "validation.jsonl"
     if path.is_file():
         return path
@@ -71,10 +74,11 @@ def cached_hub_file(cache_dir: str) -> Path:
     except Exception as e:  # datasets raises many types for "offline"/"not found"
         raise RuntimeError(
             f"could not load {HUB_PATH} from the Hugging Face hub ({type(e).__name__}): pass "
-            "task_file=<HellaSwag's validation jsonl, e.g. hellaswag_val.jsonl of rowanz/hellaswag>"
+            f"{key}=<HellaSwag's validation jsonl, e.g. hellaswag_val.jsonl of rowanz/hellaswag>"
         ) from e
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, "".join(json.dumps({k: row[k] for k in FIELDS}) + "\n" for row in rows))
+    kept = ("ind", *FIELDS)
+    write_atomically(path, "".join(json.dumps({k: row[k] for k in kept}) + "\n" for row in rows))
     return path
 
 
@@ -110,7 +114,9 @@ def for_training(train: DictConfig, cache_dir: str) -> list[dict] | None:
         raise ValueError(f"train.hellaswag must be true or false, got {train.hellaswag!r}")
     if not train.get("hellaswag"):
         return None
-    return load_items(train.hellaswag_file, cache_dir, train.hellaswag_items)
+    return load_items(
+        train.hellaswag_file, cache_dir, train.hellaswag_items, key="train.hellaswag_file"
+    )
 
 
 # ---- the two conventions' tokens

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, TINY, load_script, logged, tiny_run
 from data.tokenizer import gpt2_encoding
@@ -295,8 +296,12 @@ def test_a_bad_task_file_is_refused_naming_its_line(tmp_path, line, message) -> 
         hellaswag.load_items(str(path), "unused")
 
 
-def test_evaluate_py_names_a_missing_task_file_in_one_line(hf_dir) -> None:
+def test_a_missing_task_file_is_named_by_its_setting(hf_dir) -> None:
     folder, _ = hf_dir
+    train = {"hellaswag": True, "hellaswag_file": "nowhere.jsonl", "hellaswag_items": None}
+    with pytest.raises(FileNotFoundError, match=r"^train.hellaswag_file=nowhere.jsonl: no such"):
+        hellaswag.for_training(OmegaConf.create(train), "unused")
+    assert hellaswag.for_training(OmegaConf.create({"hellaswag": False}), "unused") is None
     with pytest.raises(SystemExit, match=r"^evaluate.py: task_file=nowhere.jsonl: no such file"):
         evaluate_app.main.__wrapped__(
             evaluate_cfg(f"model.pretrained={folder}", "task_file=nowhere.jsonl")
