@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 import data
 import opt
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, generate, launch, rundir
+from recipe import checkpoint, config, distributed, generate, hellaswag, launch, rundir
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import cap_memory, peak_flops
 from recipe.metrics import LoopMeter, MetricLogger, memory_gib, reset_memory_peaks
@@ -132,6 +132,25 @@ def evaluate(
     return dist.mean(total / count).item()  # every rank holds the same number of sequences
 
 
+def validation(
+    model: GPT,
+    val_loader: torch.utils.data.DataLoader,
+    hellaswag_items: list[dict] | None,
+    plan: opt.Plan,
+    dist: distributed.Distributed,
+) -> dict[str, float | None]:
+    """`val/loss`, and under `train.hellaswag=true` the HellaSwag accuracies (every rank scores
+    its share of the items)."""
+    metrics: dict[str, float | None] = {"val/loss": evaluate(model, val_loader, plan, dist)}
+    if hellaswag_items:
+        scores = hellaswag.evaluate(
+            model, hellaswag_items, block_size=model.config.block_size, dist=dist,
+            autocast=plan.autocast(dist.device),
+        )  # fmt: skip
+        metrics |= {f"val/hellaswag_{c}": scores[c] for c in hellaswag.CONVENTIONS}
+    return metrics
+
+
 def build_loaders(
     cfg: DictConfig, plan: opt.Plan, dist: distributed.Distributed, start_sample: int = 0
 ) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
@@ -189,6 +208,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         data.prepare(cfg.data)
     dist.host_barrier()
     train_loader, val_loader = build_loaders(cfg, plan, dist, start_sample)
+    hellaswag_items = hellaswag.for_training(cfg.train, cfg.data.cache_dir)  # train.hellaswag
     batches = data.DeviceBatches(train_loader, dist.device, plan.loader.non_blocking)
 
     # ---- model, then the model stages in their fixed order (AC -> compile -> DDP/FSDP)
@@ -247,7 +267,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     window_micro_steps = 0
     step = start_step
     if step == 0:
-        logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
+        logger.log(validation(model, val_loader, hellaswag_items, plan, dist), step)
     with checkpoint.StopSignal() as stop:
         meter.start()
         while step < max_steps:
@@ -284,7 +304,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                 window_micro_steps = 0
                 meter.start()
             if step % cfg.train.eval_interval == 0 or step == max_steps:
-                logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
+                logger.log(validation(model, val_loader, hellaswag_items, plan, dist), step)
                 meter.start()
             stopping = dist.any_one_step_late(stop.requested)  # no barrier: agreed a step later
             every = cfg.train.checkpoint_interval

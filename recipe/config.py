@@ -92,6 +92,7 @@ NUMBERS: dict[str, Number] = {
     "train.log_interval": count(1),
     "train.eval_interval": count(1),
     "train.eval_sequences": count(1),
+    "train.hellaswag_items": count(1, nullable=True),
     "train.checkpoint_interval": count(0),
     "train.max_bad_steps": count(1),
     "perf.warmup_steps": count(0),

@@ -281,6 +281,7 @@ def energy_counter(device: torch.device) -> Callable[[], float] | None:
 _CONSOLE = (
     ("train/loss", "loss", "{:.4f}"),
     ("val/loss", "val/loss", "{:.4f}"),
+    ("val/hellaswag_acc_norm", "hellaswag", "{:.4f}"),
     ("train/lr", "lr", "{:.2e}"),
     ("train/grad_norm", "norm", "{:.2f}"),
     ("perf/step_ms", "", "{:.1f} ms"),
