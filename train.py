@@ -295,7 +295,10 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
             every = cfg.train.checkpoint_interval
             if (every and (step % every == 0 or step == max_steps)) or stopping:
                 run_state["samples"] = start_sample + (step - start_step) * samples_per_step
+                saving = time.perf_counter()
                 saver.save(model, optimizer, scaler, step, run_state, val_loss)
+                if cfg.perf.checkpoint_time:  # how long the save held the loop (README)
+                    logger.log({"perf/checkpoint_s": time.perf_counter() - saving}, step)
                 meter.start()
             if stopping:
                 launch.mark_saved_on_stop(dist.rank)  # for recipe/launch.py's exit code

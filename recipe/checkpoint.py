@@ -399,6 +399,7 @@ class Saver:
         self.keep, self.keep_best, self.async_save = keep, keep_best, async_save
         self._writing: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._group: Any = None  # async DCP's process group, made at its first save
         # Host copies of the state (async), reused from save to save: {size: [storages]}.
         self._buffers: dict[int, list[torch.UntypedStorage]] = {}
 
@@ -426,8 +427,10 @@ class Saver:
         meta = {"scaler": scaler.state_dict(), "step": step, "rng": dist.gather(_rng_state()),
                 **run_state}  # fmt: skip
         if _is_sharded(model):
-            path, write = _save_sharded(run_dir, dist, model, optimizer, step, meta,
-                                        self.async_save)  # fmt: skip
+            if self.async_save and self._group is None:
+                self._group = _background_group() or True
+            background = self._group if self.async_save else False
+            path, write = _save_sharded(run_dir, dist, model, optimizer, step, meta, background)
         else:
             path, write = self._save_file(model, optimizer, meta)
         dist.barrier()  # every rank has its state in hand (sync: on disk)
@@ -571,12 +574,13 @@ def _save_sharded(
     optimizer: torch.optim.Optimizer,
     step: int,
     meta: dict[str, Any],
-    background: bool = False,
+    background: Any = False,
 ) -> tuple[Path, Callable[[], None]]:
     """Every rank writes its shards into `checkpoint.dcp/step-<N>/`; once all have, rank 0 adds
     the metadata and points `LATEST` at it (an atomic rename). Returns the folder and what
     completes the save: `background`, DCP's async_save has copied the state to host memory
-    and writes it meanwhile, and the completion waits for it."""
+    and writes it meanwhile (its collectives in the process group `background`, or True: none),
+    and the completion waits for it."""
     root = run_dir / SHARDED
     target = root / f"step-{step:08d}"
     if dist.is_main:
@@ -588,7 +592,8 @@ def _save_sharded(
     model_state = {k: v for k, v in model_state.items() if k not in tied}
     states = {"model": model_state, "optimizer": optim_state}
     if background:
-        written = dcp.async_save(states, checkpoint_id=target, process_group=_background_group())
+        group = None if background is True else background
+        written = dcp.async_save(states, checkpoint_id=target, process_group=group)
     else:
         dcp.save(states, checkpoint_id=target)
 
@@ -603,18 +608,12 @@ def _save_sharded(
     return target, finish
 
 
-_GROUP: list[Any] = []  # the process group of DCP's background saves (made once, by every rank)
-
-
 def _background_group() -> Any:
-    """A gloo group for async_save's collectives, apart from the training's (as DCP advises)."""
+    """A gloo group for async_save's collectives, apart from the training's (as DCP advises);
+    None in a process without one. A collective: made by every rank."""
     import torch.distributed as torch_dist
 
-    if not torch_dist.is_initialized():
-        return None
-    if not _GROUP:
-        _GROUP.append(torch_dist.new_group(backend="gloo"))
-    return _GROUP[0]
+    return torch_dist.new_group(backend="gloo") if torch_dist.is_initialized() else None
 
 
 def _point(root: Path, name: str) -> None:

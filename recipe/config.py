@@ -117,6 +117,7 @@ CHOICES: dict[str, tuple] = {
     "train.resume": (True, False),
     "train.keep_best": (True, False),
     "train.async_save": (True, False),
+    "perf.checkpoint_time": (True, False),
     "model.bias": (True, False),
 }
 

@@ -43,7 +43,7 @@ def _rows(run: Path) -> list[dict]:
 def test_keep_checkpoints_keeps_the_last_n_and_read_gives_the_latest(tmp_path) -> None:
     run = tmp_path / "run"
     tiny_run(run, "train.max_steps=8", "train.checkpoint_interval=2",
-             "train.keep_checkpoints=3", *QUIET)  # fmt: skip
+             "train.keep_checkpoints=3", "perf.checkpoint_time=true", *QUIET)  # fmt: skip
     kept = sorted(p.name for p in (run / checkpoint.HISTORY).iterdir())
     assert kept == ["step-00000004", "step-00000006", "step-00000008"]
     assert checkpoint.read(run)["step"] == 8
@@ -51,6 +51,8 @@ def test_keep_checkpoints_keeps_the_last_n_and_read_gives_the_latest(tmp_path) -
         assert checkpoint.read(run, which=step)["step"] == int(str(step).removeprefix("step-"))
     with pytest.raises(FileNotFoundError, match="keeps no checkpoint of that step.*4, 6, 8"):
         checkpoint.read(run, which=2)
+    saves = [r["step"] for r in _rows(run) if "perf/checkpoint_s" in r]
+    assert saves == [2, 4, 6, 8]  # how long each save held the loop
     # The kept files are the latest's own (hard links): no copy of the weights.
     latest = run / checkpoint.FILENAME
     assert (run / checkpoint.HISTORY / "step-00000008" / latest.name).samefile(latest)
@@ -63,7 +65,8 @@ def test_keep_one_is_the_single_checkpoint_of_before(tmp_path) -> None:
     assert checkpoint.read(run)["step"] == 4
 
 
-def test_dcp_keeps_the_last_n_step_folders(tmp_path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_dcp_keeps_the_last_n_step_folders(tmp_path, background) -> None:
     import torch.distributed as torch_dist
 
     from opt.fsdp import apply_fsdp
@@ -75,7 +78,7 @@ def test_dcp_keeps_the_last_n_step_folders(tmp_path) -> None:
         knobs = {"reshard_after_forward": True, "cpu_offload": False, "mixed_precision": "autocast"}
         apply_fsdp(model, OmegaConf.create(knobs), CPU, None)
         optimizer = torch.optim.AdamW(model.parameters())
-        saver = checkpoint.Saver(tmp_path, CPU, keep=2, keep_best=True)
+        saver = checkpoint.Saver(tmp_path, CPU, keep=2, keep_best=True, async_save=background)
         for step, loss in ((1, 3.0), (2, 2.0), (3, 2.5)):
             saver.save(model, optimizer, scaler, step, _run_state(model), val_loss=loss)
         saver.close()
