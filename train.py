@@ -301,6 +301,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                     logger.log({"perf/checkpoint_s": time.perf_counter() - saving}, step)
                 meter.start()
             if stopping:
+                saver.wait()  # async_save: on disk before saying so
                 launch.mark_saved_on_stop(dist.rank)  # for recipe/launch.py's exit code
                 break
 

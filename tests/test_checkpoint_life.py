@@ -198,3 +198,24 @@ def test_a_failed_background_save_surfaces_at_the_next_save_and_at_the_end(
     with pytest.raises(RuntimeError, match="background checkpoint save failed.*No space left"):
         saver.close()  # the run's end
     saver.close()  # raised once, not again
+
+
+def test_the_tools_configs_choose_a_kept_checkpoint(tmp_path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    import sample as sample_app
+    from conftest import CONF
+
+    run = tmp_path / "run"
+    tiny_run(run, "train.max_steps=4", "train.checkpoint_interval=2", "train.eval_interval=2",
+             "train.keep_checkpoints=2", "train.keep_best=true", *QUIET)  # fmt: skip
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for name in ("sample", "evaluate", "export_hf"):
+            assert compose(name).checkpoint == "latest"
+        for which in ("best", "2", "step-4"):
+            cfg = compose("sample", overrides=[f"run={run}", f"checkpoint={which}", "device=cpu",
+                                               "num_samples=1", "max_new_tokens=2"])  # fmt: skip
+            assert len(sample_app.sample(cfg)) == 1
+        cfg = compose("sample", overrides=[f"run={run}", "checkpoint=3", "device=cpu"])
+        with pytest.raises(FileNotFoundError, match="checkpoint=3: .* keeps steps 2, 4"):
+            sample_app.sample(cfg)
