@@ -268,6 +268,10 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     step = start_step
     if step == 0:
         logger.log(validation(model, val_loader, hellaswag_items, plan, dist), step)
+    t = cfg.train
+    saver = checkpoint.Saver(run_dir, dist, keep=t.keep_checkpoints, keep_best=t.keep_best,
+                             async_save=t.async_save)  # fmt: skip
+    val_loss = None  # this step's, when evaluated: keep_best's measure of a checkpoint
     with checkpoint.StopSignal() as stop:
         meter.start()
         while step < max_steps:
@@ -303,19 +307,27 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                 loss_sum.zero_()
                 window_micro_steps = 0
                 meter.start()
+            val_loss = None
             if step % cfg.train.eval_interval == 0 or step == max_steps:
-                logger.log(validation(model, val_loader, hellaswag_items, plan, dist), step)
+                validated = validation(model, val_loader, hellaswag_items, plan, dist)
+                val_loss = validated["val/loss"]
+                logger.log(validated, step)
                 meter.start()
             stopping = dist.any_one_step_late(stop.requested)  # no barrier: agreed a step later
             every = cfg.train.checkpoint_interval
             if (every and (step % every == 0 or step == max_steps)) or stopping:
                 run_state["samples"] = start_sample + (step - start_step) * samples_per_step
-                checkpoint.save(run_dir, dist, model, optimizer, scaler, step, run_state)
+                saving = time.perf_counter()
+                saver.save(model, optimizer, scaler, step, run_state, val_loss)
+                if cfg.perf.checkpoint_time:  # how long the save held the loop (README)
+                    logger.log({"perf/checkpoint_s": time.perf_counter() - saving}, step)
                 meter.start()
             if stopping:
+                saver.wait()  # async_save: on disk before saying so
                 launch.mark_saved_on_stop(dist.rank)  # for recipe/launch.py's exit code
                 break
 
+    saver.close()  # the last save is on disk (async_save: waits; raises its failure)
     profiler.close()
 
     # ---- summary and samples

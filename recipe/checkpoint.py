@@ -12,6 +12,13 @@ Both are replaced atomically: a save killed midway leaves the previous checkpoin
 One layout at a time: a save that writes one removes the other once it is complete; the reader
 chooses by the step each records (never by file times) and refuses two of different steps.
 
+What a long run keeps (`Saver`): the last N checkpoints (`train.keep_checkpoints`; older single
+files as hard links in `checkpoints/step-<N>/`, older DCP steps left in `checkpoint.dcp/`) and the
+best by validation loss (`train.keep_best`: `best/step-<N>/`, named by `best/LATEST`, its loss and
+step in `best.json`), each a folder that `read` reads like a run's; the latest stays where every
+reader looks. Older ones go only once the new one is complete. `train.async_save`: the state is
+copied to host memory during the step and written by a background thread (DCP: its `async_save`).
+
 Read safely, whoever wrote the folder: `checkpoint.pt` and `meta.pt` through `weights_only`, the
 DCP `.metadata` pickle through an unpickler that knows only the classes DCP's `Metadata` holds,
 DCP's non-tensor values as plain data, and `LATEST` only naming a `step-<N>` folder beside it.
@@ -34,7 +41,9 @@ import pickle
 import re
 import shutil
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +76,9 @@ SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256
 META = "meta.pt"
 CHECKSUMS = "sha256.json"  # in a step folder: {file name: [record]} of every file in it
 STEP_FOLDER = re.compile(r"step-\d+")  # what LATEST may name
+HISTORY = "checkpoints"  # keep_checkpoints > 1, single file: step-<N>/ each, hard links
+BEST = "best"  # keep_best: step-<N>/ (a run-folder-like checkpoint) + LATEST, best.json in it
+BEST_RECORD = "best.json"  # {"step": N, "val_loss": x}
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -358,31 +370,182 @@ def save(
     run_state: dict[str, Any],
 ) -> Path:
     """Writes the run's checkpoint (sharded under FSDP, else one file), with `run_state`
-    (samples consumed, config, model_config, stages, wandb_id). A collective: every rank must
-    call it. Weights that are not finite are never saved: the last good checkpoint stays."""
-    if not _weights_finite(model, dist):
-        kept = "there is none"
-        if (run_dir / FILENAME).exists() or (run_dir / SHARDED / "LATEST").exists():
-            kept = f"step {read(run_dir)['step']}'s is kept"
-        raise RuntimeError(
-            f"step {step}: the weights are not finite, so no checkpoint was written (the last "
-            f"good one: {kept}). Try a lower train.lr or opt.amp.dtype=bfloat16."
-        )
-    meta = {"scaler": scaler.state_dict(), "step": step, "rng": dist.gather(_rng_state()),
-            **run_state}  # fmt: skip
-    if _is_sharded(model):
-        path = _save_sharded(run_dir, dist, model, optimizer, step, meta)
-    else:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optim_state = get_state_dict(model, optimizer, options=options)
-        path = run_dir / FILENAME
-        if dist.is_main:
-            state = {"model": model_state, "optimizer": optim_state, **meta}
-            write_atomically(path, state, checksum=True)
-    dist.barrier()
-    if dist.is_main:
-        _remove_other_layout(run_dir, path)
+    (samples consumed, config, model_config, stages, wandb_id), and returns once it is on disk.
+    A collective: every rank must call it. Weights that are not finite are never saved: the
+    last good checkpoint stays. (A run keeps several, or saves in the background: `Saver`.)"""
+    saver = Saver(run_dir, dist)
+    path = saver.save(model, optimizer, scaler, step, run_state)
+    saver.close()
     return path
+
+
+class Saver:
+    """A run's checkpoints: the latest (where `read` looks), the last `keep` of them, the best by
+    validation loss (`keep_best`), each written whole before an older one is removed. With
+    `async_save`, `save` returns once the state is in host memory and the files are written in
+    the background: the next `save` (and `close`, at the run's end) waits for them, and raises
+    their failure if they failed."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        dist: Distributed,
+        *,
+        keep: int = 1,
+        keep_best: bool = False,
+        async_save: bool = False,
+    ) -> None:
+        self.run_dir, self.dist = run_dir, dist
+        self.keep, self.keep_best, self.async_save = keep, keep_best, async_save
+        self._writing: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._group: Any = None  # async DCP's process group, made at its first save
+        # Host copies of the state (async), reused from save to save: {size: [storages]}.
+        self._buffers: dict[int, list[torch.UntypedStorage]] = {}
+
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        step: int,
+        run_state: dict[str, Any],
+        val_loss: float | None = None,
+    ) -> Path:
+        """Saves step `step` (`val_loss`: its validation loss, if evaluated at this step: a
+        candidate for the best); returns the checkpoint's path. A collective."""
+        self.wait()
+        run_dir, dist = self.run_dir, self.dist
+        if not _weights_finite(model, dist):
+            kept = "there is none"
+            if (run_dir / FILENAME).exists() or (run_dir / SHARDED / "LATEST").exists():
+                kept = f"step {read(run_dir)['step']}'s is kept"
+            raise RuntimeError(
+                f"step {step}: the weights are not finite, so no checkpoint was written (the "
+                f"last good one: {kept}). Try a lower train.lr or opt.amp.dtype=bfloat16."
+            )
+        meta = {"scaler": scaler.state_dict(), "step": step, "rng": dist.gather(_rng_state()),
+                **run_state}  # fmt: skip
+        if _is_sharded(model):
+            if self.async_save and self._group is None:
+                self._group = _background_group() or True
+            background = self._group if self.async_save else False
+            path, write = _save_sharded(run_dir, dist, model, optimizer, step, meta, background)
+        else:
+            path, write = self._save_file(model, optimizer, meta)
+        dist.barrier()  # every rank has its state in hand (sync: on disk)
+
+        def finish() -> None:
+            write()
+            if dist.is_main:
+                self._rotate(path, step, val_loss)
+
+        self._run(finish)
+        return path
+
+    def _save_file(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]
+    ) -> tuple[Path, Callable[[], None]]:
+        """The single file: the full state gathered to rank 0's host memory (async: into
+        buffers of its own, so that the next steps may change the weights), and its write."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not self.async_save)
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+        path = self.run_dir / FILENAME
+        if not self.dist.is_main:
+            return path, lambda: None
+        state = {"model": model_state, "optimizer": optim_state, **meta}
+        if self.async_save:
+            state = snapshot(state, self._buffers)
+        return path, lambda: write_atomically(path, state, checksum=True)
+
+    def _run(self, job: Callable[[], None]) -> None:
+        """Runs `job` now, or (async) in a background thread whose failure is kept for `wait`."""
+        if not self.async_save:
+            job()
+            return
+
+        def background() -> None:
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 (kept, raised by wait())
+                self._failure = e
+
+        # Not a daemon: a run that ends (or fails) midway still finishes writing its checkpoint.
+        self._writing = threading.Thread(target=background, name="checkpoint-save")
+        self._writing.start()
+
+    def wait(self) -> None:
+        """Waits for a background save; raises its failure, if it failed."""
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise RuntimeError(f"the background checkpoint save failed: {failure}") from failure
+
+    def close(self) -> None:
+        """The run's end: the last save is on disk (or its failure raised)."""
+        self.wait()
+
+    def _rotate(self, written: Path, step: int, val_loss: float | None) -> None:
+        """Once `written` is complete: the other layout goes, the last `keep` stay, and it
+        becomes the best if its validation loss is the lowest so far."""
+        _remove_other_layout(self.run_dir, written)
+        if written.name == FILENAME:
+            history = self.run_dir / HISTORY
+            if self.keep > 1:
+                _link_checkpoint(written, history / f"step-{step:08d}")
+            _remove_older(history, self.keep if self.keep > 1 else 0)
+        else:
+            _remove_older(written.parent, self.keep, latest=written)
+        if self.keep_best and val_loss is not None:
+            _keep_if_best(self.run_dir / BEST, written, step, val_loss)
+
+
+def snapshot(tree: Any, buffers: dict[int, list[torch.UntypedStorage]] | None = None) -> Any:
+    """`tree`'s tensors copied into host memory (pinned when they are on a GPU), tensors that
+    share storage (tied weights) sharing their copy, as torch.save writes them: the same bytes
+    as saving `tree` itself. `buffers` ({storage size: host storage}) are reused when they fit,
+    so that a run's saves do not allocate pinned memory each time."""
+    copies: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+    free = {size: list(hosts) for size, hosts in (buffers or {}).items()}
+    used: dict[int, list[torch.UntypedStorage]] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if type(t) is not torch.Tensor:  # a tensor subclass: its own copy
+            return t.detach().to("cpu", copy=True)
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        if key not in copies:
+            size = storage.nbytes()
+            host = free[size].pop() if free.get(size) else None
+            if host is None:
+                pin = t.device.type == "cuda"
+                host = torch.empty(size, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+            used.setdefault(size, []).append(host)
+            source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            torch.empty(0, dtype=torch.uint8).set_(host).copy_(source, non_blocking=True)
+            copies[key] = host
+        return torch.empty(0, dtype=t.dtype).set_(
+            copies[key], t.storage_offset(), t.size(), t.stride()
+        )
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return copy(node)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list | tuple):
+            return type(node)(walk(v) for v in node)
+        return node
+
+    copied = walk(tree)
+    if buffers is not None:
+        buffers.clear()
+        buffers.update(used)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the non-blocking copies are done before the step goes on
+    return copied
 
 
 def _remove_other_layout(run_dir: Path, written: Path) -> None:
@@ -411,9 +574,13 @@ def _save_sharded(
     optimizer: torch.optim.Optimizer,
     step: int,
     meta: dict[str, Any],
-) -> Path:
+    background: Any = False,
+) -> tuple[Path, Callable[[], None]]:
     """Every rank writes its shards into `checkpoint.dcp/step-<N>/`; once all have, rank 0 adds
-    the metadata and points `LATEST` at it (an atomic rename), then removes older steps."""
+    the metadata and points `LATEST` at it (an atomic rename). Returns the folder and what
+    completes the save: `background`, DCP's async_save has copied the state to host memory
+    and writes it meanwhile (its collectives in the process group `background`, or True: none),
+    and the completion waits for it."""
     root = run_dir / SHARDED
     target = root / f"step-{step:08d}"
     if dist.is_main:
@@ -423,27 +590,111 @@ def _save_sharded(
     model_state, optim_state = get_state_dict(model, optimizer)
     tied = _tied(model)  # saved once, under the name they are tied to
     model_state = {k: v for k, v in model_state.items() if k not in tied}
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=target)
-    dist.barrier()  # every shard is on disk
-    if dist.is_main:
-        write_atomically(target / META, meta)
-        _record_folder(target)
-        latest = root / "LATEST"
-        tmp = root / f"LATEST.tmp-{os.getpid()}"
-        tmp.write_text(target.name)
-        os.replace(tmp, latest)
-        for old in root.glob("step-*"):
-            if old != target:
-                shutil.rmtree(old, ignore_errors=True)
-    return target
+    states = {"model": model_state, "optimizer": optim_state}
+    if background:
+        group = None if background is True else background
+        written = dcp.async_save(states, checkpoint_id=target, process_group=group)
+    else:
+        dcp.save(states, checkpoint_id=target)
+
+    def finish() -> None:
+        if background:
+            written.result()  # every rank's shards and the metadata are on disk
+        if dist.is_main:
+            write_atomically(target / META, meta)
+            _record_folder(target)
+            _point(root, target.name)
+
+    return target, finish
 
 
-def read(run_dir: Path, *, verify: bool = False) -> dict[str, Any]:
+def _background_group() -> Any:
+    """A gloo group for async_save's collectives, apart from the training's (as DCP advises);
+    None in a process without one. A collective: made by every rank."""
+    import torch.distributed as torch_dist
+
+    return torch_dist.new_group(backend="gloo") if torch_dist.is_initialized() else None
+
+
+def _point(root: Path, name: str) -> None:
+    """Writes `root/LATEST` naming `name` (an atomic rename)."""
+    tmp = root / f"LATEST.tmp-{os.getpid()}"
+    tmp.write_text(name)
+    os.replace(tmp, root / "LATEST")
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name.split("-", 1)[1])
+
+
+def _remove_older(root: Path, keep: int, latest: Path | None = None) -> None:
+    """Removes all but the newest `keep` step-<N> folders in `root` (never `latest`)."""
+    folders = sorted((p for p in root.glob("step-*") if STEP_FOLDER.fullmatch(p.name)),
+                     key=_step_of)  # fmt: skip
+    kept = set(folders[max(0, len(folders) - keep) :] if keep else []) | {latest}
+    for old in folders:
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
+    if root.name == HISTORY and root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+
+
+def _link(source: Path, target: Path) -> None:
+    """`target` the same file as `source`: a hard link (no space, no time), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:  # a file system without hard links
+        shutil.copy2(source, target)
+
+
+def _link_checkpoint(written: Path, folder: Path) -> None:
+    """`folder` a run-folder-like copy of the checkpoint `written` (a `checkpoint.pt` or a DCP
+    step folder) that `read` reads, made beside it and renamed into place when complete."""
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if written.name == FILENAME:
+        tmp.mkdir(parents=True)
+        for path in (written, checksums_of(written)):
+            _link(path, tmp / path.name)
+    else:
+        (tmp / SHARDED / written.name).mkdir(parents=True)
+        for path in written.iterdir():
+            _link(path, tmp / SHARDED / written.name / path.name)
+        _point(tmp / SHARDED, written.name)
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt at this step
+    os.replace(tmp, folder)
+
+
+def best_record(run_dir: Path) -> dict[str, Any] | None:
+    """The best checkpoint's {"step", "val_loss"} (train.keep_best), or None if there is none."""
+    if not (run_dir / BEST / "LATEST").exists():
+        return None
+    return json.loads((_latest_folder(run_dir / BEST) / BEST_RECORD).read_text())
+
+
+def _keep_if_best(root: Path, written: Path, step: int, val_loss: float) -> None:
+    """Makes `written` the best checkpoint (`root/step-<N>/`, named by `root/LATEST`) if its
+    validation loss is lower than the best so far; the previous best goes once it is."""
+    best = best_record(root.parent)
+    if best is not None and best["val_loss"] <= val_loss:
+        return
+    folder = root / f"step-{step:08d}"
+    _link_checkpoint(written, folder)
+    _write_json_atomically(folder / BEST_RECORD, {"step": step, "val_loss": val_loss})
+    _point(root, folder.name)
+    _remove_older(root, 0, latest=folder)
+    log(f"[checkpoint] step {step} is the best so far (val/loss {val_loss:.4f}): {folder}")
+
+
+def read(run_dir: Path, *, verify: bool = False, which: str | int = "latest") -> dict[str, Any]:
     """The run's checkpoint onto the CPU, accepting only tensors and plain containers: the whole
     state of a `checkpoint.pt`, or a sharded checkpoint's metadata plus `sharded`, its folder
     (the weights stay on disk until `restore` or `load_model` reads them into place). Its files
     are checked against their checksums first (`verify`: every file hashed whole). Both layouts
-    at the same step (a consolidated run): the one file; at different steps: refused."""
+    at the same step (a consolidated run): the one file; at different steps: refused.
+    `which`: the latest, `best` (train.keep_best) or a step the run keeps (an int or step-<N>)."""
+    if which != "latest":
+        return _read_kept(run_dir, which, verify)
     path, latest = run_dir / FILENAME, run_dir / SHARDED / "LATEST"
     found = []
     if path.exists():
@@ -471,8 +722,39 @@ def _read_file(path: Path, verify: bool) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _read_kept(run_dir: Path, which: str | int, verify: bool) -> dict[str, Any]:
+    """The best checkpoint, or the one of a step that the run keeps (train.keep_checkpoints)."""
+    if which == "best":
+        if not (run_dir / BEST / "LATEST").exists():
+            raise FileNotFoundError(
+                f"checkpoint=best: {run_dir} keeps no best checkpoint (a run with "
+                "train.keep_best=true does): use checkpoint=latest or a step"
+            )
+        return read(_latest_folder(run_dir / BEST), verify=verify)
+    name = str(which) if str(which).startswith("step-") else f"step-{which}"
+    if not STEP_FOLDER.fullmatch(name):
+        raise ValueError(f"checkpoint={which}: choose latest, best, or a step number")
+    name = f"step-{_step_of(Path(name)):08d}"
+    if (run_dir / HISTORY / name).is_dir():
+        return read(run_dir / HISTORY / name, verify=verify)
+    if (run_dir / SHARDED / name).is_dir():
+        return _read_step_folder(run_dir / SHARDED / name, verify)
+    state = read(run_dir, verify=verify)
+    if state["step"] == _step_of(Path(name)):
+        return state
+    folders = [*run_dir.glob(f"{HISTORY}/step-*"), *run_dir.glob(f"{SHARDED}/step-*")]
+    kept = sorted({_step_of(p) for p in folders if STEP_FOLDER.fullmatch(p.name)} | {state["step"]})
+    raise FileNotFoundError(
+        f"checkpoint={which}: {run_dir} keeps no checkpoint of that step; it keeps steps "
+        f"{', '.join(map(str, kept))}"
+    )
+
+
 def _read_sharded(run_dir: Path, verify: bool) -> dict[str, Any]:
-    folder = _latest_folder(run_dir / SHARDED)
+    return _read_step_folder(_latest_folder(run_dir / SHARDED), verify)
+
+
+def _read_step_folder(folder: Path, verify: bool) -> dict[str, Any]:
     check_checksums(folder / CHECKSUMS, full=verify)
     read_metadata(folder / ".metadata")  # refused here in one line, before DCP is handed it
     state = torch.load(folder / META, map_location="cpu", weights_only=True)
@@ -495,14 +777,18 @@ def _latest_folder(root: Path) -> Path:
 
 
 def load_model(
-    run_dir: Path, device: torch.device | str = "cpu", *, verify: bool = False
+    run_dir: Path,
+    device: torch.device | str = "cpu",
+    *,
+    verify: bool = False,
+    which: str | int = "latest",
 ) -> tuple[Any, dict[str, Any]]:
     """A trained model from a run folder, rebuilt from its checkpoint alone (the model's saved
     shape, then its weights; a sharded checkpoint is read whole in this one process), and the
-    run's saved config: for sampling, evaluation, export."""
+    run's saved config: for sampling, evaluation, export. `which`: as `read`'s."""
     from model import GPT, GPTConfig
 
-    state = read(run_dir, verify=verify)
+    state = read(run_dir, verify=verify, which=which)
     check_shape(state, None)
     model = GPT(GPTConfig(**state["model_config"]))
     if "sharded" in state:

@@ -94,6 +94,7 @@ NUMBERS: dict[str, Number] = {
     "train.eval_sequences": count(1),
     "train.hellaswag_items": count(1, nullable=True),
     "train.checkpoint_interval": count(0),
+    "train.keep_checkpoints": count(1),
     "train.max_bad_steps": count(1),
     "perf.warmup_steps": count(0),
     "perf.peak_tflops": positive(nullable=True),
@@ -116,6 +117,9 @@ CHOICES: dict[str, tuple] = {
     "device": DEVICES,
     "wandb.mode": ("auto", "online", "offline", "disabled"),
     "train.resume": (True, False),
+    "train.keep_best": (True, False),
+    "train.async_save": (True, False),
+    "perf.checkpoint_time": (True, False),
     "model.bias": (True, False),
 }
 

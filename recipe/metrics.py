@@ -288,6 +288,7 @@ _CONSOLE = (
     ("perf/tokens_per_sec", "", "{:,.0f} tok/s"),
     ("perf/mfu", "mfu", "{:.1f}%"),
     ("mem/peak_allocated_gib", "mem", "{:.2f} GiB"),
+    ("perf/checkpoint_s", "checkpoint", "{:.2f} s"),
 )
 
 

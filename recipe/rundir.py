@@ -29,14 +29,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from recipe.checkpoint import FILENAME, SHARDED
+from recipe.checkpoint import BEST, FILENAME, HISTORY, SHARDED
 from recipe.distributed import launcher
 
 METRICS, SUMMARY, LOCK = "metrics.jsonl", "summary.json", ".lock"
 # Every file the trainer writes in a run folder (config.yaml and overrides.yaml: recipe/config.py's
 # CONFIG_FILE and OVERRIDES_FILE; samples.txt: train.py's), none of which may be a symbolic link.
 OWN_FILES = (LOCK, "config.yaml", "overrides.yaml", METRICS, SUMMARY, "samples.txt", FILENAME,
-             SHARDED)  # fmt: skip
+             SHARDED, HISTORY, BEST)  # fmt: skip
 _held: set[Path] = set()  # the run folders whose lock this process took (RunFolder)
 
 

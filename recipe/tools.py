@@ -62,7 +62,8 @@ def load_model(cfg: DictConfig, device: torch.device) -> tuple[GPT, dict[str, An
             "save_pretrained dir or hub name>"
         )
     if run is not None:
-        return checkpoint.load_model(run_dir(run), device, verify=cfg.verify)
+        which = cfg.get("checkpoint", "latest")
+        return checkpoint.load_model(run_dir(run), device, verify=cfg.verify, which=which)
     return GPT.from_pretrained(pretrained).to(device), None
 
 

@@ -137,7 +137,7 @@ def export_run(cfg: DictConfig) -> Path:
         raise ValueError("run=<folder> is missing: the training run to export")
     out = output_folder(cfg.out, cfg.force)
     run_dir = tools.run_dir(cfg.run)
-    model, _ = checkpoint.load_model(run_dir, "cpu", verify=cfg.verify)
+    model, _ = checkpoint.load_model(run_dir, "cpu", verify=cfg.verify, which=cfg.checkpoint)
     hf = to_transformers(model)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARK).write_text(json.dumps({"run": str(run_dir.resolve())}) + "\n")  # ours from now

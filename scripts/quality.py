@@ -1,13 +1,21 @@
-"""Does the fastest configuration learn as well? Two runs of GPT-2 124M on the bundled plays with
-the same seed and data, the plain bfloat16 configuration and the fastest one; their validation
-curves side by side, and the final gap against a tolerance.
+"""Does the fastest configuration learn as well? GPT-2 124M on the bundled plays, the plain
+bfloat16 configuration (reference) against a candidate, each run with several seeds, interleaved
+(reference seed 0, candidate seed 0, reference seed 1, ...: a drift of the machine hits both);
+their final validation losses compared by a significance test, against a tolerance.
 
-    python scripts/quality.py --out docs/results/<gpu>/quality
-    python scripts/quality.py --report docs/results/<gpu>/quality.json   # redraw its chart only
+    python scripts/quality.py --out docs/results/<gpu>/quality            # 3 seeds per arm
+    python scripts/quality.py --out q --seeds 5 --candidate "+opt=[...]" device=cpu
+    python scripts/quality.py --report docs/results/<gpu>/quality.json    # its .md and .png again
 
-Writes <out>.json (both curves, the commands, the final gap, pass/fail), <out>.md and <out>.png:
-the two curves named by their configurations, and below them the gap at each evaluation against
-the tolerance band (a gap of 0.01 nats is invisible on a 5–11 nats loss axis).
+Writes <out>.json (every run's curve and command, each arm's mean, std and range, the test),
+<out>.md and <out>.png: every seed's curve, named by its arm's configuration, and below them the
+gap of the means at each evaluation against the tolerance band (a gap of 0.01 nats is invisible
+on a 5-11 nats loss axis). The verdict: "same within <tolerance> nats (p=...)" when the test finds
+no difference and the mean difference is within the tolerance; "different: Δ=... nats, p=..."
+when it finds one (p < alpha); else "inconclusive" (more seeds would tell). The test is Welch's t
+(scipy) or, without scipy, a seeded bootstrap of the difference of means; both give a 95%
+interval of the difference. Exits 0 when the candidate passes: "same", or a difference within
+the tolerance (also with one seed, untested).
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
@@ -33,63 +44,226 @@ WORKLOAD = (
 REFERENCE = "+opt=[compile,amp,fused,tf32]"
 CANDIDATE = "+opt=[compile,amp,fused,tf32,custom_op] opt.amp.residual=compute"
 TITLE = "the fastest configuration against plain bfloat16"
+FIRST_SEED = 1337  # train.seed's default: seed 0 of an arm is the run of the one-seed reports
+ARMS = ("reference", "candidate")
+RESAMPLES = 10_000  # the bootstrap's, without scipy
 
 
-def run(name: str, stages: str, args: argparse.Namespace) -> dict:
-    run_dir = Path(args.runs_dir).resolve() / name
+def run(name: str, stages: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One training run of an arm with `train.seed=seed`: its validation curve and speed."""
+    run_dir = Path(args.runs_dir).resolve() / f"{name}-seed{seed}"
     command = [sys.executable, "train.py", *shlex.split(WORKLOAD), *shlex.split(stages),
-               *args.extra, f"hydra.run.dir={run_dir}", f"wandb.name=quality-{name}"]  # fmt: skip
+               *args.extra, f"train.seed={seed}", f"hydra.run.dir={run_dir}",
+               f"wandb.name=quality-{name}-seed{seed}"]  # fmt: skip
     print("[quality]", shlex.join(command), flush=True)
     subprocess.run(command, cwd=ROOT, check=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
-        "stages": stages,
+        "seed": seed,
         "command": shlex.join(["python", *command[1:]]),
         "val_loss": {r["step"]: r["val/loss"] for r in rows if "val/loss" in r},
         "tokens_per_sec": summary.get("perf/tokens_per_sec"),
     }
 
 
-def stages_of(run: dict, workload: str) -> str:
-    """A run's configuration: its stages (recorded since they were; before, read off its command
-    as the words that are neither the workload's nor where the run went)."""
-    if run.get("stages"):
-        return run["stages"]
+def run_interleaved(stages: dict[str, str], seeds: list[int], args: argparse.Namespace) -> dict:
+    """Every arm's runs, seed by seed: {arm: [run per seed]}."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in stages}
+    for seed in seeds:
+        for name, arm_stages in stages.items():
+            runs[name].append(run(name, arm_stages, seed, args))
+    return runs
+
+
+def final_loss(run: dict[str, Any]) -> float:
+    """A run's last validation loss (its curve's keys are steps, ints or JSON's strings)."""
+    return run["val_loss"][max(run["val_loss"], key=int)]
+
+
+def spread(values: list[float]) -> dict[str, float | None]:
+    """Mean, sample standard deviation (None for one value), min and max."""
+    x = np.asarray(values, dtype=np.float64)
+    std = float(x.std(ddof=1)) if len(x) > 1 else None
+    return {"mean": float(x.mean()), "std": std, "min": float(x.min()), "max": float(x.max())}
+
+
+def compare(reference: list[float], candidate: list[float], confidence: float = 0.95) -> dict:
+    """The difference of the candidate's mean final loss from the reference's, its p-value and
+    `confidence` interval: Welch's t-test with scipy, else a seeded bootstrap. None for p and
+    the interval with one seed in an arm (no spread to test against)."""
+    a, b = np.asarray(reference, np.float64), np.asarray(candidate, np.float64)
+    delta = float(b.mean() - a.mean())
+    if min(len(a), len(b)) < 2:
+        return {"delta": delta, "p": None, "interval": None, "test": None}
+    if a.var(ddof=1) + b.var(ddof=1) == 0:  # every seed gave the same loss: no spread at all
+        return {"delta": delta, "p": float(delta == 0), "interval": [delta, delta],
+                "test": "exact"}  # fmt: skip
+    try:
+        from scipy import stats
+    except ImportError:
+        return _bootstrap(a, b, delta, confidence)
+    test = stats.ttest_ind(b, a, equal_var=False)
+    low, high = test.confidence_interval(confidence)
+    return {"delta": delta, "p": float(test.pvalue), "interval": [float(low), float(high)],
+            "test": "welch", "df": float(test.df)}  # fmt: skip
+
+
+def _bootstrap(a: np.ndarray, b: np.ndarray, delta: float, confidence: float) -> dict:
+    """The difference of means resampled (each arm with replacement, a fixed seed: the same
+    answer every time): its percentile interval, and the two-sided p of a zero difference."""
+    rng = np.random.default_rng(0)
+    draws = [rng.choice(x, size=(RESAMPLES, len(x))).mean(axis=1) for x in (a, b)]
+    diffs = draws[1] - draws[0]
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(diffs, [tail, 1 - tail])
+    p = min(1.0, 2 * min(np.mean(diffs <= 0), np.mean(diffs >= 0)))
+    return {"delta": delta, "p": float(p), "interval": [float(low), float(high)],
+            "test": "bootstrap"}  # fmt: skip
+
+
+def verdict(difference: dict, tolerance: float, alpha: float) -> tuple[str, str, bool]:
+    """(status, the sentence, passed): same, different, inconclusive, or one seed."""
+    delta, p = difference["delta"], difference["p"]
+    within = abs(delta) <= tolerance
+    if p is None:
+        where = "within" if within else "OUTSIDE"
+        return "one seed", f"Δ={delta:+.4f} nats, one seed (no test): {where} {tolerance}", within
+    if p < alpha:
+        where = "within" if within else "beyond"
+        sentence = f"different: Δ={delta:+.4f} nats, p={p:.3g} ({where} the tolerance {tolerance})"
+        return "different", sentence, within
+    if within:
+        return "same", f"same within {tolerance} nats (p={p:.3g}, Δ={delta:+.4f})", True
+    sentence = f"inconclusive: Δ={delta:+.4f} nats, p={p:.3g}: more seeds would tell"
+    return "inconclusive", sentence, False
+
+
+def judge(runs: dict[str, list[dict]], tolerance: float, alpha: float) -> dict[str, Any]:
+    """Each arm's spread of final losses, the test of their difference and its verdict."""
+    finals = {name: [final_loss(r) for r in arm_runs] for name, arm_runs in runs.items()}
+    difference = compare(finals["reference"], finals["candidate"])
+    status, sentence, passed = verdict(difference, tolerance, alpha)
+    return {
+        "final": finals,
+        "spread": {name: spread(values) for name, values in finals.items()},
+        "difference": difference,
+        "status": status,
+        "verdict": sentence,
+        "passed": passed,
+        # What the one-seed reports held (their readers keep working): means and their gap.
+        "final_val_loss": {name: spread(values)["mean"] for name, values in finals.items()},
+        "gap": difference["delta"],
+    }
+
+
+def upgrade(result: dict[str, Any]) -> dict[str, Any]:
+    """A one-seed report (before seeds: `runs` {arm: one run}) in today's shape."""
+    if "arms" in result:
+        return result
+    runs = {name: [{"seed": None, **r}] for name, r in result["runs"].items()}
+    stages = {name: _stages(r[0]["command"], result["workload"]) for name, r in runs.items()}
+    return {**result, "arms": stages, "runs": runs, "seeds": [None], "alpha": None,
+            **judge(runs, result["tolerance"], 0.05)}  # fmt: skip
+
+
+def _stages(command: str, workload: str) -> str:
+    """An arm's stages, from its command: what it adds to the workload."""
     common = set(shlex.split(workload))
-    words = shlex.split(run["command"])[2:]  # after `python train.py`
-    own = [w for w in words if w not in common and not w.startswith(("hydra.run.dir=", "wandb."))]
-    return " ".join(own)
+    words = shlex.split(command)[2:]  # after `python train.py`
+    return " ".join(w for w in words if w not in common and not w.startswith(("hydra.", "wandb.")))
 
 
-def chart(result: dict, path: Path) -> None:
-    """The validation curves of both runs, named by their configurations, and their gap at each
-    evaluation against the ±tolerance band (the pass/fail is the final step's)."""
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def render(result: dict[str, Any]) -> list[str]:
+    """The report's markdown lines, from its JSON (a one-seed report's too)."""
+    result = upgrade(result)
+    runs, diff, tol = result["runs"], result["difference"], result["tolerance"]
+    seeds = [s for s in result["seeds"] if s is not None]
+    title = result.get("title", TITLE)
+    lines = [f"# Quality: {title}", "",
+             f"Workload `{result['workload']}`; "
+             + (f"seeds {', '.join(map(str, seeds))} per arm, interleaved." if seeds
+                else "one seed (train.seed's default) per arm."), ""]  # fmt: skip
+    lines += [f"- {name}: `{stages}`" for name, stages in result["arms"].items() if stages]
+    lines += ["", "| arm | final val/loss per seed | mean ± std | min – max | tokens/s |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for name, arm_runs in runs.items():
+        s = result["spread"][name]
+        speeds = [r["tokens_per_sec"] for r in arm_runs if r.get("tokens_per_sec")]
+        speed = f"{sum(speeds) / len(speeds):,.0f}" if speeds else "–"
+        losses = ", ".join(f"{x:.4f}" for x in result["final"][name])
+        lines.append(f"| {name} | {losses} | {s['mean']:.4f} ± {_fmt(s['std'])} | "
+                     f"{s['min']:.4f} – {s['max']:.4f} | {speed} |")  # fmt: skip
+    interval = diff["interval"]
+    test = {"welch": "Welch's t-test", "bootstrap": f"bootstrap ({RESAMPLES:,} resamples)",
+            "exact": "no spread"}.get(diff["test"], "no test")  # fmt: skip
+    lines += ["", f"Difference (candidate − reference): Δ = {diff['delta']:+.4f} nats"
+              + (f", 95% interval [{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval else "")
+              + f", {test}; tolerance {tol} nats"
+              + (f", α = {result['alpha']}" if result.get("alpha") else "") + ".", "",
+              f"**{result['verdict']}**", ""]  # fmt: skip
+    lines += _curves(runs)
+    lines += ["", "Commands:", "", *[f"- `{r['command']}`" for rs in runs.values() for r in rs]]
+    env = result.get("environment", {})
+    lines += ["", "Environment:", "", *[f"- {key}: `{value}`" for key, value in env.items()]]
+    return lines
+
+
+def _curves(runs: dict[str, list[dict]]) -> list[str]:
+    """The mean validation loss of each arm's seeds at every evaluated step."""
+    steps = sorted({int(s) for rs in runs.values() for r in rs for s in r["val_loss"]})
+    lines = ["| step | " + " | ".join(f"{n} val/loss (mean)" for n in runs) + " | gap |",
+             "|---|" + "---|" * (len(runs) + 1)]  # fmt: skip
+    for step in steps:
+        means = [_mean_at(rs, step) for rs in runs.values()]
+        gap = None if None in means else means[-1] - means[0]
+        lines.append(f"| {step} | " + " | ".join(_fmt(m) for m in means)
+                     + f" | {_fmt(gap, '+.4f')} |")  # fmt: skip
+    return lines
+
+
+def _mean_at(arm_runs: list[dict], step: int) -> float | None:
+    values = [v for r in arm_runs for s, v in r["val_loss"].items() if int(s) == step]
+    return sum(values) / len(values) if len(values) == len(arm_runs) else None
+
+
+def chart(result: dict[str, Any], path: Path) -> None:
+    """Every seed's validation curve, each arm named by its configuration, and the gap of the
+    arms' means at each evaluation against the ±tolerance band (the verdict is the final one's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    result = upgrade(result)
     runs, tolerance = result["runs"], result["tolerance"]
-    curves = {name: {int(s): v for s, v in r["val_loss"].items()} for name, r in runs.items()}
     fig, (loss, gap) = plt.subplots(
         2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
-    for name, curve in curves.items():
-        label = f"{name}: {stages_of(runs[name], result['workload'])}"
-        loss.plot(list(curve), list(curve.values()), marker="o", markersize=3, label=label)
+    for color, (name, arm_runs) in zip(("C0", "C1"), runs.items(), strict=False):
+        for i, r in enumerate(arm_runs):
+            curve = {int(s): v for s, v in r["val_loss"].items()}
+            label = f"{name}: {result['arms'][name]}" if i == 0 else None
+            loss.plot(list(curve), list(curve.values()), color=color, alpha=0.8, marker="o",
+                      markersize=3, label=label)  # fmt: skip
     loss.set_ylabel("validation loss (nats)")
     loss.legend(fontsize=8)
     loss.set_title(f"Quality: {result.get('title', TITLE)}", fontsize=10)
-    steps = [s for s in curves["reference"] if s in curves["candidate"]]
-    gaps = [curves["candidate"][s] - curves["reference"][s] for s in steps]
+    steps = sorted({int(s) for rs in runs.values() for r in rs for s in r["val_loss"]})
+    means = {s: [_mean_at(rs, s) for rs in runs.values()] for s in steps}
+    steps = [s for s in steps if None not in means[s]]
+    gaps = [means[s][-1] - means[s][0] for s in steps]
     gap.axhspan(-tolerance, tolerance, color="tab:green", alpha=0.15, label=f"±{tolerance} nats")
     gap.axhline(0, color="gray", linewidth=0.8)
     gap.plot(steps, gaps, marker="o", markersize=3, color="black", label="candidate − reference")
     verdict = "within" if result["passed"] else "OUTSIDE"
     gap.set_title(f"final gap {result['gap']:+.4f} nats: {verdict} the tolerance", fontsize=10)
     gap.set_ylim(*_gap_limits(gaps, tolerance))
-    gap.set_ylabel("gap (nats)")
+    gap.set_ylabel("gap of the means (nats)")
     gap.set_xlabel("step")
     gap.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
@@ -105,48 +279,43 @@ def _gap_limits(gaps: list[float], tolerance: float) -> tuple[float, float]:
     return -reach, reach
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="<out>.json, .md, .png")
-    parser.add_argument("--report", type=Path, help="a result json: redraw its png, run nothing")
+    parser.add_argument("--report", type=Path, help="a report's .json: its .md and .png again")
     parser.add_argument("--reference", default=REFERENCE, help="the plain bf16 stages")
-    parser.add_argument("--candidate", default=CANDIDATE, help="the fastest stages")
+    parser.add_argument("--candidate", default=CANDIDATE, help="the stages judged")
     parser.add_argument("--title", default=TITLE)
+    parser.add_argument("--seeds", type=int, default=3, help="runs per arm, train.seed 1337...")
     parser.add_argument("--tolerance", type=float, default=0.02, help="nats, final val loss")
+    parser.add_argument("--alpha", type=float, default=0.05, help="the test's significance level")
     parser.add_argument("--runs-dir", default="outputs/quality")
-    parser.add_argument("extra", nargs="*", help="overrides for both runs (e.g. device=cpu)")
-    args = parser.parse_args()
-    if args.report:
-        chart(json.loads(args.report.read_text()), args.report.with_suffix(".png"))
-        print(f"[quality] chart: {args.report.with_suffix('.png')}")
+    parser.add_argument("extra", nargs="*", help="overrides for every run (e.g. device=cpu)")
+    args = parser.parse_args(argv)
+    if (args.out is None) == (args.report is None):
+        parser.error("give --out <path> (run and report) or --report <report.json>")
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: give at least 1 (3 or more for a test)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.report is not None:  # run nothing: the report of a result again
+        result = json.loads(args.report.read_text())
+        args.report.with_suffix(".md").write_text("\n".join(render(result)) + "\n")
+        chart(result, args.report.with_suffix(".png"))
+        print(f"[quality] {args.report.with_suffix('.md')}, {args.report.with_suffix('.png')}")
         return
-    if args.out is None:
-        parser.error("--out is required (or --report <json> to redraw a chart)")
-    runs = {name: run(name, stages, args) for name, stages in
-            (("reference", args.reference), ("candidate", args.candidate))}  # fmt: skip
-    final = {name: r["val_loss"][max(r["val_loss"])] for name, r in runs.items()}
-    gap = final["candidate"] - final["reference"]
-    env = environment(["python", "scripts/quality.py", *sys.argv[1:]])
-    result = {"title": args.title, "runs": runs, "final_val_loss": final, "gap": gap,
-              "tolerance": args.tolerance, "passed": abs(gap) <= args.tolerance,
-              "workload": WORKLOAD, "environment": env}  # fmt: skip
+    stages = {"reference": args.reference, "candidate": args.candidate}
+    seeds = [FIRST_SEED + i for i in range(args.seeds)]
+    runs = run_interleaved(stages, seeds, args)
+    env = environment(["python", "scripts/quality.py", *(sys.argv[1:] if argv is None else argv)])
+    result = {"title": args.title, "workload": WORKLOAD, "arms": stages, "seeds": seeds,
+              "tolerance": args.tolerance, "alpha": args.alpha, "runs": runs,
+              **judge(runs, args.tolerance, args.alpha), "environment": env}  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    steps = sorted(runs["reference"]["val_loss"])
-    lines = [
-        f"# Quality: {args.title}", "",
-        f"Same seed and data; workload `{WORKLOAD}`.", "",
-        f"- reference: `{args.reference}`", f"- candidate: `{args.candidate}`", "",
-        f"Final validation loss: reference {final['reference']:.4f}, candidate "
-        f"{final['candidate']:.4f}, gap {gap:+.4f} nats (tolerance {args.tolerance}): "
-        f"**{'within' if result['passed'] else 'OUTSIDE'}**.", "",
-        "| step | reference val/loss | candidate val/loss | gap |", "|---|---|---|---|",
-    ]  # fmt: skip
-    for s in steps:
-        a, b = runs["reference"]["val_loss"][s], runs["candidate"]["val_loss"].get(s)
-        lines.append(f"| {s} | {a:.4f} | {'–' if b is None else f'{b:.4f}'} | "
-                     f"{'–' if b is None else f'{b - a:+.4f}'} |")  # fmt: skip
-    lines += ["", "Commands:", "", *[f"- `{r['command']}`" for r in runs.values()]]
-    lines += ["", "Environment:", "", *[f"- {key}: `{value}`" for key, value in env.items()]]
+    lines = render(result)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     chart(result, args.out.with_suffix(".png"))
     print("\n".join(lines))

@@ -26,13 +26,13 @@ def test_quality_runs_both_configurations_and_reports_the_gap(tmp_path) -> None:
         "wandb.mode=disabled",
     ]
     out = subprocess.run(
-        [python(), "scripts/quality.py", "--out", str(tmp_path / "q"), "--runs-dir",
+        [python(), "scripts/quality.py", "--out", str(tmp_path / "q"), "--seeds", "1", "--runs-dir",
          str(tmp_path / "runs"), "--reference", "+opt=[amp]", "--candidate",
          "+opt=[amp,custom_op] opt.amp.residual=compute", *tiny],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     result = json.loads((tmp_path / "q.json").read_text())
-    assert list(result["runs"]["candidate"]["val_loss"]) == ["0", "2", "4"]
+    assert list(result["runs"]["candidate"][0]["val_loss"]) == ["0", "2", "4"]
     assert result["passed"] == (abs(result["gap"]) <= 0.02) and out.returncode == (
         not result["passed"]
     )

@@ -1,0 +1,145 @@
+"""scripts/quality.py with seeds (issue 21): each arm run with N seeds, interleaved; the spread of
+the final validation loss per arm; Welch's t-test (or a seeded bootstrap without scipy) of the
+difference, its 95% interval, and the verdict against the tolerance."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, load_script, python
+
+quality = load_script("quality")
+
+REFERENCE = [5.081, 5.090, 5.074, 5.086]
+SHIFTED = [5.121, 5.133, 5.117, 5.128]  # about 0.04 nats worse
+CLOSE = [5.083, 5.089, 5.079, 5.085]
+
+
+def _fake_runs(monkeypatch, finals: dict[str, list[float]]) -> list[tuple[str, int]]:
+    """quality.run replaced by one that returns `finals`, recording the order of the runs."""
+    order: list[tuple[str, int]] = []
+
+    def fake(name, stages, seed, args):
+        i = seed - quality.FIRST_SEED
+        order.append((name, i))
+        final = finals[name][i]
+        curve = {0: 10.9, 2: final + 1.0, 4: final}
+        return {"seed": seed, "command": f"python train.py {stages} train.seed={seed}",
+                "val_loss": curve, "tokens_per_sec": 1000.0}  # fmt: skip
+
+    monkeypatch.setattr(quality, "run", fake)
+    monkeypatch.setattr(quality, "environment", lambda command: {"command": " ".join(command)})
+    return order
+
+
+def _main(tmp_path, *argv: str) -> tuple[dict, object]:
+    with pytest.raises(SystemExit) as exit_:
+        quality.main(["--out", str(tmp_path / "q"), *argv])
+    return json.loads((tmp_path / "q.json").read_text()), exit_.value.code
+
+
+def test_arms_run_interleaved_seed_by_seed(tmp_path, monkeypatch) -> None:
+    order = _fake_runs(monkeypatch, {"reference": REFERENCE, "candidate": CLOSE})
+    result, _ = _main(tmp_path, "--seeds", "3")
+    assert order == [("reference", 0), ("candidate", 0), ("reference", 1), ("candidate", 1),
+                     ("reference", 2), ("candidate", 2)]  # fmt: skip
+    assert result["seeds"] == [1337, 1338, 1339]
+    assert [r["seed"] for r in result["runs"]["candidate"]] == [1337, 1338, 1339]
+
+
+def test_spread_and_welch_test_match_an_independent_computation(tmp_path, monkeypatch) -> None:
+    stats = pytest.importorskip("scipy.stats")
+    _fake_runs(monkeypatch, {"reference": REFERENCE, "candidate": SHIFTED})
+    result, code = _main(tmp_path, "--seeds", "4")
+    a, b = np.array(REFERENCE), np.array(SHIFTED)
+    spread = result["spread"]["candidate"]
+    assert spread["mean"] == pytest.approx(b.mean()) and spread["std"] == pytest.approx(
+        b.std(ddof=1)
+    )
+    assert (spread["min"], spread["max"]) == (b.min(), b.max())
+    # Welch by hand: the difference over its standard error, Welch–Satterthwaite's degrees.
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se, delta = np.sqrt(va + vb), b.mean() - a.mean()
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    p = 2 * stats.t.sf(abs(delta / se), df)
+    half = stats.t.ppf(0.975, df) * se
+    diff = result["difference"]
+    assert diff["test"] == "welch" and diff["delta"] == pytest.approx(delta)
+    assert diff["p"] == pytest.approx(p) and diff["df"] == pytest.approx(df)
+    assert diff["interval"] == pytest.approx([delta - half, delta + half])
+    assert result["status"] == "different" and code == 1  # 0.04 nats: beyond the tolerance
+    assert result["verdict"] == (
+        f"different: Δ=+{delta:.4f} nats, p={p:.3g} (beyond the tolerance 0.02)"
+    )
+
+
+def test_without_scipy_a_seeded_bootstrap_tests_the_difference(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "scipy", None)  # `from scipy import stats` fails
+    shifted = quality.compare(REFERENCE, SHIFTED)
+    same = quality.compare(REFERENCE, CLOSE)
+    assert shifted["test"] == same["test"] == "bootstrap"
+    assert shifted == quality.compare(REFERENCE, SHIFTED)  # seeded: the same answer every time
+    low, high = shifted["interval"]
+    assert 0 < low < shifted["delta"] < high and shifted["p"] < 0.01
+    low, high = same["interval"]
+    assert low < 0 < high and same["p"] > 0.2
+
+
+@pytest.mark.parametrize(
+    ("delta", "p", "status", "sentence", "passed"),
+    [
+        (0.004, 0.41, "same", "same within 0.02 nats (p=0.41, Δ=+0.0040)", True),
+        (0.031, 0.004, "different", "different: Δ=+0.0310 nats, p=0.004 (beyond the "
+         "tolerance 0.02)", False),
+        (-0.008, 0.003, "different", "different: Δ=-0.0080 nats, p=0.003 (within the "
+         "tolerance 0.02)", True),
+        (0.025, 0.2, "inconclusive", "inconclusive: Δ=+0.0250 nats, p=0.2: more seeds would "
+         "tell", False),
+        (0.009, None, "one seed", "Δ=+0.0090 nats, one seed (no test): within 0.02", True),
+    ],
+)  # fmt: skip
+def test_verdict_wording(delta, p, status, sentence, passed) -> None:
+    assert quality.verdict({"delta": delta, "p": p}, 0.02, 0.05) == (status, sentence, passed)
+
+
+def test_the_report_shows_spread_interval_and_verdict(tmp_path, monkeypatch) -> None:
+    _fake_runs(monkeypatch, {"reference": REFERENCE, "candidate": CLOSE})
+    result, code = _main(tmp_path, "--seeds", "4")
+    assert result["status"] == "same" and code == 0
+    md = (tmp_path / "q.md").read_text()
+    assert "| reference | 5.0810, 5.0900, 5.0740, 5.0860 | 5.0827 ± 0.0069 |" in md
+    assert "95% interval [" in md and f"**{result['verdict']}**" in md
+    assert (tmp_path / "q.png").exists()
+
+
+def test_a_one_seed_report_of_before_still_renders(tmp_path) -> None:
+    old = json.loads((ROOT / "docs/results/nvidia-h100-80gb-hbm3/quality_lowbit.json").read_text())
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    quality.main(["--report", str(tmp_path / "old.json")])
+    md = (tmp_path / "old.md").read_text()
+    assert "- candidate: `+opt=[compile,amp,lowbit,tf32]`" in md
+    assert "**Δ=-0.0074 nats, one seed (no test): within 0.02**" in md
+
+
+@pytest.mark.slow
+def test_a_real_run_of_two_seeds_and_two_arms(tmp_path) -> None:
+    tiny = ["model=tiny", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+            "model.block_size=32", "train.batch_size=2", "train.max_steps=2",
+            "train.eval_interval=2", "train.eval_sequences=4", "device=cpu",
+            "wandb.mode=disabled"]  # fmt: skip
+    out = subprocess.run(
+        [python(), "scripts/quality.py", "--out", str(tmp_path / "q"), "--seeds", "2",
+         "--runs-dir", str(tmp_path / "runs"), "--reference", "+opt=[amp]",
+         "--candidate", "+opt=[amp] opt.amp.residual=compute", *tiny],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    result = json.loads((tmp_path / "q.json").read_text())
+    names = [f"{arm}-seed{seed}" for arm in ("candidate", "reference") for seed in (1337, 1338)]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == names
+    assert [list(r["val_loss"]) for r in result["runs"]["reference"]] == [["0", "2"]] * 2
+    assert result["difference"]["p"] is not None and out.returncode == (not result["passed"])
