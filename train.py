@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -24,7 +23,7 @@ from torch.distributed.tensor import DTensor
 import data
 import opt
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, generate, launch, rundir
+from recipe import checkpoint, config, distributed, errors, generate, launch, rundir
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import peak_flops
 from recipe.metrics import LoopMeter, MetricLogger, memory_gib, reset_memory_peaks
@@ -34,7 +33,7 @@ from recipe.schedule import learning_rate, set_learning_rate
 config.register_resolvers()  # ${launch:} names the run folder; --help shows conf/ with comments
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@errors.app(config_name="config")  # @hydra.main, its errors in one line
 def main(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -50,7 +49,7 @@ def build_model(cfg: DictConfig) -> GPT:
     model = GPT.from_pretrained(cfg.pretrained, dropout=cfg.dropout)
     positions = model.config.block_size
     if cfg.block_size > positions:
-        raise ValueError(
+        raise errors.ConfigError(
             f"model.block_size={cfg.block_size} exceeds the {positions} positions of "
             f"{cfg.pretrained}: use model.block_size<={positions}"
         )
@@ -163,7 +162,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     overrides = list(overrides)
     if cfg.train.resume:
         cfg, overrides = config.for_resume(run_dir, overrides)
-    config.validate(cfg)
+    config.validate(cfg, overrides)
     dist = distributed.init(cfg.device)
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)

@@ -233,7 +233,7 @@ def test_a_line_torn_at_the_end_of_the_metrics_is_dropped(tmp_path) -> None:
 def test_a_bad_metrics_line_is_refused_naming_the_file_and_line(tmp_path, bad, problem) -> None:
     data = b'{"step": 1}\n' + bad + b'\n{"step": 3}\n'
     path = _metrics(tmp_path, data)
-    with pytest.raises(ValueError, match=rf"metrics.jsonl, line 2: {problem}.*delete that line"):
+    with pytest.raises(RuntimeError, match=rf"metrics.jsonl, line 2: {problem}.*delete that line"):
         rundir.RunFolder(tmp_path, resume=True).cut_metrics(3)
     assert path.read_bytes() == data  # nothing dropped
 
