@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,12 +34,15 @@ from recipe.schedule import learning_rate, set_learning_rate
 config.register_resolvers()  # ${launch:} names the run folder; --help shows conf/ with comments
 
 
+DROPPED: list[str] = []  # this command line's '~opt=<stage>': a resume drops a saved stage
+
+
 @errors.app(config_name="config")  # @hydra.main, its errors in one line
 def main(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     with rundir.removed_on_failure(run_dir):  # a failed launch leaves no empty run folder
-        return train(cfg, run_dir, overrides=list(hydra_cfg.overrides.task))
+        return train(cfg, run_dir, overrides=[*hydra_cfg.overrides.task, *DROPPED])
 
 
 def build_model(cfg: DictConfig) -> GPT:
@@ -339,4 +343,5 @@ def finished_already(run_dir: Path, step: int, dist: distributed.Distributed) ->
 
 
 if __name__ == "__main__":
+    DROPPED += config.take_drops(sys.argv)  # before Hydra, which would not find the stage here
     main()

@@ -149,15 +149,36 @@ def check_added_keys(cfg: DictConfig, overrides: Sequence[str]) -> None:
         key = name.removeprefix("+")
         if not name.startswith("+") or key.startswith("+") or key.startswith(FREE_FORM):
             continue  # a plain or `++` override; a free-form dict's key
-        if "." not in key and (CONF_DIR / key).is_dir():
+        if _is_group(key):
             continue  # a group's option: +opt=ac, +prof=trace
         known = [k for k in leaf_keys(cfg) if k != key and not k.startswith(key + ".")]
         raise ConfigError(f"{override}: {unknown_key(key, known)}")
 
 
+def take_drops(argv: list[str]) -> list[str]:
+    """Takes `~opt=<stage>` out of `argv` (changed in place) and returns it: on a resume it drops
+    a stage of the saved command line (`merge_overrides`), which Hydra, composing this command
+    line alone first, would look for here and not find."""
+    drops = [a for a in argv[1:] if a.startswith("~") and "=" in a and _is_group(a[1:])]
+    for drop in drops:
+        argv.remove(drop)
+    return drops
+
+
+def _is_group(override: str) -> bool:
+    """Whether `override` selects options of a config group: `opt=ac`, `+opt=[ac,amp]`."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    return "." not in key and (CONF_DIR / key).is_dir()
+
+
 def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
     """Refuses the first bad setting, naming the key, what it must be and what it is; and any
     key that `overrides` (the command line) adds that the recipe does not have."""
+    for drop in [o for o in overrides if o.startswith("~") and _is_group(o)]:
+        raise ConfigError(
+            f"{drop} drops a stage of the run being resumed: add train.resume=true (for a new "
+            f"run, leave out +{drop[1:]})"
+        )
     check_added_keys(cfg, overrides)
     check_numbers(cfg, NUMBERS)
     for key, options in CHOICES.items():
@@ -242,7 +263,7 @@ def merge_overrides(saved: list[str], new: list[str]) -> list[str]:
         return override.split("=", 1)[0].lstrip("+~")
 
     new = list(new)
-    for drop in [o for o in new if o.startswith("~") and "=" in o and "." not in key(o)]:
+    for drop in [o for o in new if o.startswith("~") and "=" in o and _is_group(o)]:
         saved = _without_options(saved, key(drop), _options(drop))
         new.remove(drop)
     new = [o for o in new if key(o) != "train.resume"]

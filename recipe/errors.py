@@ -59,6 +59,17 @@ class Unusable(UserError, RuntimeError):
     a folder in use or on a full disk, a missing GPU or package."""
 
 
+class ReportedExit(SystemExit):
+    """How a reported error ends the program: exit status `code`, its printed line as `str()`."""
+
+    def __init__(self, line: str, status: int) -> None:
+        super().__init__(status)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
 def did_you_mean(key: str, known: Iterable[str]) -> str:
     """' (did you mean <closest>?)', or '' when nothing is close."""
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.7)
@@ -110,8 +121,9 @@ def _one_line(task: Callable[[], Any], program: str) -> Any:
             raise
         status = e.status if isinstance(e, Reported) else UserError.status
         message = str(e) if isinstance(e, Reported) else hydra_message(e)
-        print(f"{program}: error: {' '.join(message.split())}", file=sys.stderr)
-        sys.exit(status)
+        line = f"{program}: error: {' '.join(message.split())}"
+        print(line, file=sys.stderr)
+        raise ReportedExit(line, status) from None
 
 
 def _hydra_errors() -> tuple[type[Exception], ...]:
