@@ -141,7 +141,7 @@ def _hydra_reports_to(report: Callable[[Callable[[], Any]], Any]) -> Iterator[No
     import hydra._internal.utils as hydra_utils
 
     original = hydra_utils.run_and_report
-    hydra_utils.run_and_report = lambda step: original(lambda: report(step))
+    hydra_utils.run_and_report = lambda func: original(lambda: report(func))
     try:
         yield
     finally:
