@@ -2,8 +2,8 @@
 (forward, backward, clip, step; log, evaluate, checkpoint), then a final save and samples.
 
     python train.py                                   # tiny model on the bundled plays
-    python train.py model=gpt2 +opt=[amp,compile]     # GPT-2 124M, mixed precision, compiled
-    torchrun --nproc_per_node=4 train.py model=gpt2-large +opt=[fsdp,amp]
+    python train.py model=gpt2 '+opt=[amp,compile]'   # GPT-2 124M, mixed precision, compiled
+    torchrun --standalone --nproc_per_node=4 train.py model=gpt2-large '+opt=[fsdp,amp]'
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from torch.distributed.tensor import DTensor
 import data
 import opt
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, errors, generate, launch, rundir
+from recipe import checkpoint, config, distributed, errors, generate, hellaswag, launch, rundir
 from recipe.guard import NonFiniteGuard
-from recipe.hardware import peak_flops
+from recipe.hardware import cap_memory, peak_flops
 from recipe.metrics import LoopMeter, MetricLogger, memory_gib, reset_memory_peaks
 from recipe.profiling import Profiler
 from recipe.schedule import learning_rate, set_learning_rate
@@ -135,6 +135,25 @@ def evaluate(
     return dist.mean(total / count).item()  # every rank holds the same number of sequences
 
 
+def validation(
+    model: GPT,
+    val_loader: torch.utils.data.DataLoader,
+    hellaswag_items: list[dict] | None,
+    plan: opt.Plan,
+    dist: distributed.Distributed,
+) -> dict[str, float | None]:
+    """`val/loss`, and under `train.hellaswag=true` the HellaSwag accuracies (every rank scores
+    its share of the items)."""
+    metrics: dict[str, float | None] = {"val/loss": evaluate(model, val_loader, plan, dist)}
+    if hellaswag_items:
+        scores = hellaswag.evaluate(
+            model, hellaswag_items, block_size=model.config.block_size, dist=dist,
+            autocast=plan.autocast(dist.device),
+        )  # fmt: skip
+        metrics |= {f"val/hellaswag_{c}": scores[c] for c in hellaswag.CONVENTIONS}
+    return metrics
+
+
 def build_loaders(
     cfg: DictConfig, plan: opt.Plan, dist: distributed.Distributed, start_sample: int = 0
 ) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
@@ -168,6 +187,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         cfg, overrides = config.for_resume(run_dir, overrides)
     config.validate(cfg, overrides)
     dist = distributed.init(cfg.device)
+    cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
@@ -191,6 +211,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         data.prepare(cfg.data)
     dist.host_barrier()
     train_loader, val_loader = build_loaders(cfg, plan, dist, start_sample)
+    hellaswag_items = hellaswag.for_training(cfg.train, cfg.data.cache_dir)  # train.hellaswag
     batches = data.DeviceBatches(train_loader, dist.device, plan.loader.non_blocking)
 
     # ---- model, then the model stages in their fixed order (AC -> compile -> DDP/FSDP)
@@ -249,7 +270,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     window_micro_steps = 0
     step = start_step
     if step == 0:
-        logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
+        logger.log(validation(model, val_loader, hellaswag_items, plan, dist), step)
     with checkpoint.StopSignal() as stop:
         meter.start()
         while step < max_steps:
@@ -286,7 +307,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                 window_micro_steps = 0
                 meter.start()
             if step % cfg.train.eval_interval == 0 or step == max_steps:
-                logger.log({"val/loss": evaluate(model, val_loader, plan, dist)}, step)
+                logger.log(validation(model, val_loader, hellaswag_items, plan, dist), step)
                 meter.start()
             stopping = dist.any_one_step_late(stop.requested)  # no barrier: agreed a step later
             every = cfg.train.checkpoint_interval
@@ -323,10 +344,11 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
 
 def closing_line(run_dir: Path, step: int, max_steps: int) -> str:
     state = "finished" if step == max_steps else "stopped"
+    # A finished run continues only with more steps: a number, so that the line pastes as printed.
+    more = [] if step < max_steps else [f"train.max_steps={2 * max_steps}"]
     return (
         f"[train] {state} at step {step}/{max_steps}; run folder {run_dir}\n"
-        f"  continue: {rundir.resume_command(run_dir)}"
-        f"{'' if step < max_steps else ' train.max_steps=<more>'}\n"
+        f"  continue: {rundir.resume_command(run_dir, *more)}\n"
         f"  sample:   {rundir.command('python', 'sample.py', f'run={run_dir}')}"
     )
 

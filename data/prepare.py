@@ -288,8 +288,17 @@ def prepare(cfg: DictConfig) -> Path | None:
         with _writing(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=2)
         _publish(tmp, folder)
-    print(f"[data] prepared {cfg.name} in {time.time() - t0:.1f}s: {counts}", flush=True)
+    print(f"[data] prepared {cfg.name} in {time.time() - t0:.1f}s: {describe(counts)}", flush=True)
     return folder
+
+
+def describe(counts: dict[str, dict[str, int]]) -> str:
+    """The splits' counts as one readable line: `train 1,377,632 tokens (35 documents, 4.5 MB),
+    val ...`."""
+    return ", ".join(
+        f"{split} {c['tokens']:,} tokens ({c['documents']:,} documents, {c['bytes'] / 1e6:.1f} MB)"
+        for split, c in counts.items()
+    )
 
 
 def _fix(folder: Path) -> str:

@@ -6,10 +6,12 @@ Each source returns a `datasets.Dataset` with one document per row in a `text` c
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import importlib.util
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -107,9 +109,24 @@ def corpus_label(cfg: DictConfig) -> str:
 
 
 def _text_files(files: list[Path]) -> datasets.Dataset:
-    return datasets.load_dataset(
-        "text", data_files=[str(f) for f in files], sample_by="document", split="train"
-    )
+    with _no_progress_bars():
+        return datasets.load_dataset(
+            "text", data_files=[str(f) for f in files], sample_by="document", split="train"
+        )
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Without `datasets`' progress bars: reading local files, it would print "Downloading
+    data" (a copy into its cache, offline too) and "Generating train split" for a load of
+    seconds. The tokenizing bars, the long part, stay."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
 
 
 def load_documents(cfg: DictConfig, num_proc: int) -> datasets.Dataset:

@@ -1,7 +1,11 @@
 """`+opt=amp`: automatic mixed precision. Matmuls run in float16 or bfloat16 while weights,
 reductions and the loss stay in float32. float16's narrow range needs a GradScaler: the loss is
 multiplied up before backward, gradients are unscaled before clipping, and a step whose
-gradients overflowed is skipped (the scale then shrinks)."""
+gradients overflowed is skipped (the scale then shrinks).
+
+`dtype: auto` (the default) picks bfloat16 where the device computes in it (a CPU; a CUDA GPU of
+compute capability 8.0 or newer: Ampere, Hopper), as nanoGPT does, and float16 elsewhere: on a
+CPU float16 is emulated (~20x slower than float32), and bfloat16 needs no scaler."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from recipe.distributed import log
 from recipe.errors import ConfigError
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+AUTO = "auto"  # opt.amp.dtype: bfloat16 where the device supports it, else float16
 
 
 RESIDUALS = ("float32", "compute")
@@ -36,9 +41,8 @@ def apply_amp(
         )
     if not isinstance(cfg.weight_cache, bool):
         raise ConfigError(f"opt.amp.weight_cache={cfg.weight_cache!r}: choose true or false")
-    if cfg.dtype not in DTYPES:
-        raise ConfigError(f"opt.amp.dtype={cfg.dtype!r}: choose float16 or bfloat16")
-    dtype = DTYPES[cfg.dtype]
+    name = resolve_dtype(cfg.dtype, device)
+    dtype = DTYPES[name]
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(
             f"+opt=amp with dtype=bfloat16, but {torch.cuda.get_device_name(device)} has no "
@@ -50,11 +54,25 @@ def apply_amp(
     scaled = dtype == torch.float16
     residual = dtype if cfg.residual == "compute" else None
     log(
-        f"[opt] amp: {cfg.dtype} mixed precision{', with a GradScaler' if scaled else ''}"
-        f"{f', residual stream in {cfg.dtype}' if residual else ''}"
+        f"[opt] amp: {name} mixed precision{' (auto)' if cfg.dtype == AUTO else ''}"
+        f"{', with a GradScaler' if scaled else ''}"
+        f"{f', residual stream in {name}' if residual else ''}"
         f"{'' if cfg.weight_cache else ', no weight cache'}"
     )
     return dtype, scaled, residual, cfg.weight_cache
+
+
+def resolve_dtype(choice: str, device: torch.device) -> str:
+    """The amp dtype's name for `opt.amp.dtype=choice`: `auto` becomes bfloat16 on a CPU and on a
+    GPU that computes in it (compute capability >= 8.0; not counting the emulation that
+    `is_bf16_supported()` accepts by default on older GPUs), float16 elsewhere; float16 and
+    bfloat16 stay what was asked."""
+    if choice == AUTO:
+        native = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bfloat16" if native else "float16"
+    if choice not in DTYPES:
+        raise ConfigError(f"opt.amp.dtype={choice!r}: choose auto, float16 or bfloat16")
+    return choice
 
 
 def warn_if_float16_on_cpu(dtype: torch.dtype, device: torch.device, key: str) -> None:

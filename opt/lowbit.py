@@ -48,7 +48,8 @@ def apply_lowbit(cfg: DictConfig) -> type[torch.optim.Optimizer]:
         from torchao.optim import AdamW4bit, AdamW8bit
     except ImportError as e:
         raise ImportError(
-            f"+opt=lowbit needs torchao (`pip install --no-deps torchao==0.18.0`): {e}"
+            f"+opt=lowbit needs torchao, an optional extra ({e}): "
+            'pip install -e ".[lowbit]" (or pip install torchao==0.18.*)'
         ) from e
     optimizer_class = _update_compiled_once(AdamW8bit if cfg.bits == 8 else AdamW4bit)
     log(f"[opt] lowbit: {optimizer_class.__name__}, AdamW's moments in {cfg.bits} bits (torchao)")

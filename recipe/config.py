@@ -94,10 +94,12 @@ NUMBERS: dict[str, Number] = {
     "train.log_interval": count(1),
     "train.eval_interval": count(1),
     "train.eval_sequences": count(1),
+    "train.hellaswag_items": count(1, nullable=True),
     "train.checkpoint_interval": count(0),
     "train.max_bad_steps": count(1),
     "perf.warmup_steps": count(0),
     "perf.peak_tflops": positive(nullable=True),
+    "perf.memory_cap_gib": positive(nullable=True),
     "sample.num_samples": count(0),
     "sample.max_new_tokens": count(1),
     "sample.temperature": positive(),
@@ -346,12 +348,13 @@ def register_resolvers() -> None:
 
 
 def _header(path: Path) -> str:
-    """A yaml file's opening comment, as one line."""
+    """A yaml file's opening comment, as one line (without Hydra's `# @package` line)."""
     lines = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        lines.append(line.lstrip("#").strip())
+        if not line.lstrip("#").strip().startswith("@package"):
+            lines.append(line.lstrip("#").strip())
     return " ".join(lines)
 
 

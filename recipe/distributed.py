@@ -191,6 +191,27 @@ def torchrun(
     ]
 
 
+def launcher() -> list[str]:
+    """The words that start this run again, for the commands it prints (`continue: ...`): the
+    torchrun that started it, with its process count (from the variables torchrun gives each
+    worker), or `python` for a single process. Across machines the rendezvous endpoint is not
+    known to the workers: the command then names it as a placeholder to fill in."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return ["python"]
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nnodes = max(world // per_node, 1)
+    if nnodes == 1:
+        return ["torchrun", "--standalone", f"--nproc_per_node={per_node}"]
+    return [
+        "torchrun",
+        f"--nnodes={nnodes}",
+        f"--nproc_per_node={per_node}",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=<host:port of the first machine>",
+    ]
+
+
 def descendants(pid: int) -> list[int]:
     """The processes below `pid` (children first), from /proc: torchrun starts each worker in a
     session of its own, out of reach of a signal to the agent's process group."""

@@ -13,6 +13,7 @@ A sweep (`python train.py -m ...`) stops as a whole in the same way: `SweepStop`
 callback (conf/config.yaml's hydra.callbacks), lets the job that was signalled save its
 checkpoint and return, then ends the process before the next job starts, with 128 + the
 signal's number (a sweep cut short did not succeed) and a line saying where it stopped.
+`SweepTable`, another callback, prints the sweep's results at its end: one line per job.
 """
 
 from __future__ import annotations
@@ -63,6 +64,67 @@ class SweepStop(Callback):
             flush=True,
         )
         raise SystemExit(128 + signal.Signals[name])  # not an Exception: Hydra lets it through
+
+
+class SweepTable(Callback):
+    """Prints a sweep's results when its last job ends, or when a stop signal ends it early: one
+    line per job, with the overrides that job does not share with the others, its final
+    validation loss, tokens/s and status. (Per job, not at Hydra's multirun end, which a failed
+    job or a stop never reaches.)"""
+
+    def __init__(self) -> None:
+        self.jobs: int | None = None  # set for a sweep only
+        self.rows: list[dict[str, Any]] = []
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.jobs = sweep_size(config)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if self.jobs is None:
+            return
+        self.rows.append(job_row(config.hydra.job.num, job_return))
+        if len(self.rows) == self.jobs or self.rows[-1]["status"].startswith("stopped"):
+            print(sweep_table(self.rows, self.jobs), flush=True)
+
+
+def job_row(num: int, job_return: JobReturn) -> dict[str, Any]:
+    """A sweep job's line: its overrides, and from the summary the trainer returned, its final
+    validation loss, tokens/s and how it ended."""
+    summary = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+    summary = summary if isinstance(summary, dict) else {}
+    if job_return.status != JobStatus.COMPLETED:
+        status = "failed"
+    elif summary.get("stopped_by"):
+        status = f"stopped by {summary['stopped_by']}"
+    else:
+        status = "ok" if summary.get("completed") else "incomplete"
+    return {
+        "job": num,
+        "overrides": list(job_return.overrides or []),
+        "val_loss": summary.get("val/loss"),
+        "tokens_per_sec": summary.get("perf/tokens_per_sec"),
+        "status": status,
+    }
+
+
+def own_overrides(each: list[list[str]]) -> list[list[str]]:
+    """Each list of overrides without the ones every list has: what one job of a sweep varied."""
+    shared = set.intersection(*map(set, each)) if len(each) > 1 else set()
+    return [[o for o in own if o not in shared] for own in each]
+
+
+def sweep_table(rows: list[dict[str, Any]], jobs: int) -> str:
+    names = [" ".join(o) or "-" for o in own_overrides([r["overrides"] for r in rows])]
+    width = max(len("overrides"), *map(len, names))
+    lines = [f"[train] sweep: {len(rows)} of {jobs} job(s) ran",
+             f"  job  {'overrides':<{width}}  val/loss   tokens/s  status"]  # fmt: skip
+    for row, name in zip(rows, names, strict=True):
+        loss, tps = row["val_loss"], row["tokens_per_sec"]
+        lines.append(
+            f"  {row['job']:<3}  {name:<{width}}  {'-' if loss is None else f'{loss:.4f}':>8}"
+            f"  {'-' if tps is None else f'{tps:,.0f}':>9}  {row['status']}"
+        )
+    return "\n".join(lines)
 
 
 def sweep_size(config: DictConfig) -> int:

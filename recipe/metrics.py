@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from recipe.distributed import log
-from recipe.rundir import seconds_since_launch
+from recipe.rundir import seconds_since_launch, write_atomically
 
 GiB = 1024**3
 
@@ -280,6 +281,7 @@ def energy_counter(device: torch.device) -> Callable[[], float] | None:
 _CONSOLE = (
     ("train/loss", "loss", "{:.4f}"),
     ("val/loss", "val/loss", "{:.4f}"),
+    ("val/hellaswag_acc_norm", "hellaswag", "{:.4f}"),
     ("train/lr", "lr", "{:.2e}"),
     ("train/grad_norm", "norm", "{:.2f}"),
     ("perf/step_ms", "", "{:.1f} ms"),
@@ -352,7 +354,7 @@ class MetricLogger:
         if not self.enabled:
             return summary
         text = json.dumps(json_safe(summary), indent=2, allow_nan=False)
-        (run_dir / "summary.json").write_text(text)
+        write_atomically(run_dir / "summary.json", text)  # never through a planted link
         self.jsonl.close()
         if self.run is not None:
             self.run.summary.update(summary)
@@ -396,5 +398,6 @@ def _init_wandb(run_dir: Path, cfg: DictConfig, name: str, config: dict, run_id:
         mode = "offline"
         run = start(mode)
     if mode == "offline":
-        print(f"[wandb] offline run in {run.dir}; upload later: wandb sync {Path(run.dir).parent}")
+        sync = shlex.join(["wandb", "sync", str(Path(run.dir).parent)])
+        print(f"[wandb] offline run in {run.dir}; upload later: {sync}")
     return run

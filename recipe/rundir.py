@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from recipe.checkpoint import FILENAME, SHARDED
+from recipe.distributed import launcher
 from recipe.errors import FileRefused, MissingFile, Unusable
 
 METRICS, SUMMARY, LOCK = "metrics.jsonl", "summary.json", ".lock"
@@ -59,8 +60,12 @@ def command(*words: str) -> str:
     return shlex.join(words)
 
 
-def resume_command(path: Path) -> str:
-    return command("python", "train.py", f"hydra.run.dir={path}", "train.resume=true")
+def resume_command(path: Path, *overrides: str) -> str:
+    """The command that continues the run in `path`, launched as this one was (torchrun with its
+    process count for a multi-process run: a one-process resume of a DDP/FSDP run is refused)."""
+    return command(
+        *launcher(), "train.py", f"hydra.run.dir={path}", "train.resume=true", *overrides
+    )
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -3,8 +3,10 @@
     python scripts/ablate.py ladder=speed           # the book's speed ladder, then beyond
     python scripts/ablate.py ladder=memory          # the book's memory ladder
     python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
-    python scripts/ablate.py ladder=speed steps=[compile,amp_fp16] "extra=['+prof=trace']"
-    python scripts/ablate.py ladder=speed repeats=5 steps=[custom_op]   # anchored on memmap
+    python scripts/ablate.py ladder=speed 'steps=[compile,amp_fp16]' "extra=['+prof=trace']"
+    python scripts/ablate.py ladder=speed repeats=5 'steps=[custom_op]'  # anchored on memmap
+    python scripts/ablate.py ladder=speed profile=true  # + each row's time by kernel family
+    python scripts/ablate.py report=docs/results/<gpu>/memory_xl.json   # redraw its chart only
 
 A ladder (`conf/ablate/ladder/<name>.yaml`) is a workload (overrides and stages every step runs
 with) and a list of steps; each step adds stages (`+opt=...`) and overrides to the ones before it
@@ -19,6 +21,10 @@ A step may run on several GPUs: `nproc: N` processes under torchrun, and with `n
 127.0.0.1, the GPUs split between them with CUDA_VISIBLE_DEVICES). Its row carries `gpus` and a
 per-GPU `efficiency`: tokens/s / (gpus x tokens/s of the nearest 1-GPU row above it).
 
+A step may set `memory_cap_gib: X` (that step only, not carried to the next): its train.py runs
+with `perf.memory_cap_gib=X`, allowed X GiB of the GPU as a card of that size would allow, and
+a run that needs more fails as out of memory; the row records the cap.
+
 Repeats: each step runs `repeats` times (3 on a GPU, 1 on a CPU, unless the ladder or the command
 line says), interleaved A B C A B C so that drift touches every row alike; a row is the median of
 its runs with their min–max (and a bootstrap 95% CI of the median from 3 runs), and its tokens/s
@@ -27,10 +33,17 @@ is `within_noise`. `steps=[...]` runs a segment of the ladder; unless it starts 
 step its first row is compared with (or `anchor=<step>`) runs beside it, so that its ratios come
 from one call, and its measurement is kept in the json's `segments`.
 
-Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, with the command, the git commit, the
-GPU, the driver and the library versions; rerunning some steps updates their rows. The table
-compares each row with step 0, or with the row named by the ladder's `reference` (the memory_xl
-ladder's target is relative to its `ac` row), in memory and in tokens/s; it is printed at the end.
+Profile: with `profile=true` (or `profile: true` in the ladder) every step runs once more after
+the timed runs, briefly, under the profiler; its row gains `families_ms`, the step's time by
+kernel family, and the table the change of each family against the row before
+(scripts/ladder_profile.py).
+
+Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}` (`outputs/ablate/results/`, untracked;
+`publish=true` writes them into `docs/results/<device>/`, the shipped ones), with the command, the
+git commit, the GPU, the driver and the library versions; rerunning some steps updates their
+rows. The table compares each row with step 0, or with the row named by the ladder's `reference`
+(the memory_xl ladder's target is relative to its `ac` row), in memory and in tokens/s; it is
+printed at the end.
 A failing step, or a results file that cannot be written (its error is in the json's
 `report_errors`), never stops the steps after it.
 """
@@ -56,9 +69,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
+sys.path.append(str(Path(__file__).resolve().parent))  # ladder_profile.py, next to this file
 # The harness's own config, apart from conf/'s groups: train.py's search path does not see it.
 CONF = ROOT / "conf" / "ablate"
+PUBLISHED = ROOT / "docs" / "results"  # the shipped results: written only with publish=true
 
+import ladder_profile  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
@@ -103,6 +119,7 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
         stages = [s for s in stages if s not in step.get("drop", [])]
         overrides = overrides + list(step.get("overrides", []))
         nproc, nnodes = step.get("nproc", 1), step.get("nnodes", 1)
+        cap = step.get("memory_cap_gib")  # this step's only
         plans.append(
             {
                 "index": index,
@@ -118,6 +135,7 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
                 else "ddp"
                 if nproc * nnodes > 1
                 else "single",
+                **({"memory_cap_gib": cap} if cap else {}),
             }
         )
     return plans
@@ -134,6 +152,7 @@ def launches(
         *ladder.workload,
         *stages,
         *plan["overrides"],
+        *([f"perf.memory_cap_gib={cap}"] if (cap := plan.get("memory_cap_gib")) else []),
         *extra,
         f"hydra.run.dir={run_dir}",
         f"wandb.group=ladder-{ladder.name}",
@@ -212,6 +231,23 @@ def run_step(
         row["error"] = failure_reason(output)
     print(f"[ablate]   -> {status}, {row['wall_s']} s", flush=True)
     return {**row, "status": status}
+
+
+def profile_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path) -> dict:
+    """One more, short run of a step under the profiler, after its timed runs (why apart:
+    scripts/ladder_profile.py); returns what its row gains: `families_ms` and `profile`, or
+    `profile`'s status and error when the run or its trace failed (the ladder goes on)."""
+    run_dir = runs_dir / f"{plan['index']:02d}-{plan['name']}-profile"
+    extra = [*cfg.extra, *ladder_profile.overrides(cfg.profile_wait)]
+    agents = launches(plan, ladder, extra, run_dir)
+    print(f"[ablate] profiling {plan['name']}: {shell(*agents[0])}", flush=True)
+    try:
+        status, output, _ = launch(agents, run_dir, cfg.timeout_s)
+        if status != "ok":
+            return {"profile": {"status": status, "error": failure_reason(output)}}
+        return ladder_profile.families(run_dir / "trace.json")
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- the row keeps its timed numbers
+        return {"profile": {"status": "failed", "error": f"ablate.py: {type(e).__name__}: {e}"}}
 
 
 def launch(
@@ -586,12 +622,13 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
         header,
         "|" + "---|" * len(columns),
     ]
-    for row, previous, baseline in comparisons(ladder, rows):
+    pairs = comparisons(ladder, rows)
+    for row, previous, baseline in pairs:
         mfu = _fmt(row.get("mfu"), ".1f") + ("%" if row.get("mfu") is not None else "")
         cells = [
             str(row["index"]),
             f"`{row['name']}`",
-            row["what"],
+            row["what"] + (f" (cap {cap} GiB)" if (cap := row.get("memory_cap_gib")) else ""),
             *([_gpus(row)] if scaling else []),
             _tokens_cell(row),
             *([_fmt(row.get("efficiency"), ".3f")] if scaling else []),
@@ -633,6 +670,10 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
         if s.get("anchor") and s["anchor"].get("status") == "ok"
     ]
     lines += [f"\n- `{r['name']}`: {r['note']}" for r in rows if r.get("note")]
+    lines += ladder_profile.table(
+        [(row, previous if ladder.cumulative else baseline) for row, previous, baseline in pairs],
+        {s["call"]: s["anchor"] for s in segments if s.get("anchor")},
+    )
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
         lines += ["", "Steps that did not complete:", ""]
@@ -652,7 +693,13 @@ def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
     from matplotlib.patches import Patch
 
     x = range(len(rows))
-    fig, (speed, memory) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows)), 7), sharex=True)
+    alloc = [r.get("peak_allocated_gib") or 0 for r in rows]
+    reserved = [r.get("peak_reserved_gib") or 0 for r in rows]
+    has_memory = any(alloc) or any(reserved)  # a CPU ladder has none: no empty panel
+    fig, axes = plt.subplots(
+        1 + has_memory, 1, figsize=(max(6, 0.9 * len(rows)), 7 if has_memory else 4), sharex=True
+    )
+    speed, memory = (axes[0], axes[1]) if has_memory else (axes, None)
     tps = [(r.get("tokens_per_sec") or 0) / 1e3 for r in rows]
     bars = [_error_bar(r) for r in rows]
     low, high = [b[0] for b in bars], [b[1] for b in bars]
@@ -670,22 +717,31 @@ def chart(ladder: DictConfig, rows: list[dict], env: dict, path: Path) -> None:
     if any(noise):
         grey = Patch(facecolor="lightgray", hatch="//", edgecolor="gray")
         speed.legend([grey], ["within noise of the row it is compared with"], loc="upper left")
-    alloc = [r.get("peak_allocated_gib") or 0 for r in rows]
-    reserved = [r.get("peak_reserved_gib") or 0 for r in rows]
-    memory.bar([i - 0.2 for i in x], alloc, width=0.4, label="peak allocated", color="tab:orange")
-    memory.bar([i + 0.2 for i in x], reserved, width=0.4, label="peak reserved", color="tab:gray")
-    memory.set_ylabel("GiB per GPU")
-    memory.legend()
-    if not any(alloc):
-        memory.text(0.5, 0.5, "no GPU memory to show", transform=memory.transAxes, ha="center")
+    if memory is not None:
+        memory_bars(memory, ladder, alloc, reserved)
     for i, row in enumerate(rows):
         if row["status"] != "ok":
             speed.annotate(row["status"], (i, 0), ha="center", va="bottom", color="red")
-    memory.set_xticks(list(x), [f"{r['index']} {r['name']}" for r in rows], rotation=30, ha="right")
+    (memory or speed).set_xticks(
+        list(x), [f"{r['index']} {r['name']}" for r in rows], rotation=30, ha="right"
+    )
     speed.set_title(f"ladder {ladder.name}: {env['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def memory_bars(ax: Any, ladder: DictConfig, alloc: list[float], reserved: list[float]) -> None:
+    """Peak allocated and reserved memory per row, and the ladder's target (`target_gib`) as a
+    line: a row under it met the memory goal."""
+    x = range(len(alloc))
+    ax.bar([i - 0.2 for i in x], alloc, width=0.4, label="peak allocated", color="tab:orange")
+    ax.bar([i + 0.2 for i in x], reserved, width=0.4, label="peak reserved", color="tab:gray")
+    target = ladder.get("target_gib")
+    if target is not None:
+        ax.axhline(target, color="tab:red", linestyle="--", label=f"target: {target:g} GiB")
+    ax.set_ylabel("GiB per GPU")
+    ax.legend()
 
 
 def _error_bar(row: dict) -> tuple[float, float]:
@@ -739,7 +795,8 @@ def publish(
 
 
 CSV_COLUMNS = [
-    "index", "name", "what", "status", "stages", "nproc", "nnodes", "gpus", "strategy",
+    "index", "name", "what", "status", "stages", "nproc", "nnodes", "gpus", "memory_cap_gib",
+    "strategy",
     *(c for c, _ in NUMBERS), "repeats", "ratio", "ratio_vs", "within_noise",
     "efficiency", "efficiency_vs", "wall_s", "git_commit", "command", "error",
 ]  # fmt: skip
@@ -761,14 +818,37 @@ def earlier_results(path: Path) -> tuple[dict[str, dict], list[dict]]:
     return {r["name"]: r for r in result["steps"]}, result.get("segments", [])
 
 
+def results_dir(cfg: DictConfig) -> Path:
+    """Where the results go: `out_dir` (untracked), or the shipped docs/results with
+    `publish=true`, so that trying a ladder never overwrites the results the README quotes."""
+    return PUBLISHED if cfg.publish else Path(cfg.out_dir)
+
+
+def report(path: Path) -> list[dict]:
+    """Redraws the chart of a results json (`<ladder>.json`) beside it and prints its table,
+    running nothing: for a chart whose drawing changed, on a machine without the GPU."""
+    if not path.is_file():
+        raise SystemExit(f"ablate.py: report={path}: no such file; give a <ladder>.json result")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        ladder = compose("ablate", overrides=[f"ladder={path.stem}"]).ladder
+    result = json.loads(path.read_text())
+    chart(ladder, result["steps"], result["environment"], path.with_suffix(".png"))
+    table = markdown(ladder, result["steps"], result["environment"], result.get("segments", []))
+    print(table.split("\n## ")[0] + f"\n[ablate] chart: {path.with_suffix('.png')}", flush=True)
+    return result["steps"]
+
+
 def main(argv: list[str]) -> list[dict]:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("ablate", overrides=argv)
+    if cfg.report:
+        return report(Path(cfg.report))
     ladder = cfg.ladder
     plans = step_plans(ladder)
     chosen, anchor = selection(cfg, plans)
     repeats = repeat_count(cfg, ladder)
-    folder = Path(cfg.out_dir) / slug(device_name())
+    profile = ladder_profile.enabled(cfg, ladder)
+    folder = results_dir(cfg) / slug(device_name())
     kept, segments = earlier_results(folder / f"{ladder.name}.json")
     call = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")  # unique per call
     runs_dir = Path(cfg.runs_dir).resolve() / f"{ladder.name}-{call}"
@@ -809,6 +889,11 @@ def main(argv: list[str]) -> list[dict]:
         segments = [s for s in segments if s["call"] in calls and s["call"] != call]
         # After every run: a killed ladder keeps its results.
         errors = publish(ladder, rows, env, folder, [*segments, segment])
+    for plan in measured if profile else []:  # after every timed run: none of them is profiled
+        row = segment["anchor"] if plan is anchor else kept[plan["name"]]
+        if row["status"] == "ok":
+            row.update(profile_step(plan, ladder, cfg, runs_dir))
+            errors = publish(ladder, rows, env, folder, [*segments, segment])
     with contextlib.suppress(Exception):  # a table that cannot be made is in `errors` already
         table = markdown(ladder, rows, env, [*segments, segment])
         print("\n" + table.split("\n## ")[0], flush=True)  # the table, without the environment

@@ -1,8 +1,11 @@
-"""Validation loss and perplexity of a trained model, by the trainer's own evaluation code.
+"""Validation loss and perplexity of a trained model, by the trainer's own evaluation code; or
+its zero-shot HellaSwag accuracy (`task=hellaswag`, recipe/hellaswag.py, as the trainer's
+`train.hellaswag=true` scores it).
 
     python scripts/evaluate.py run=outputs/2026-11-23/10-00-00-1234        # the run's own corpus
     python scripts/evaluate.py run=outputs/... data=text data.files='notes/*.txt' out=eval.json
     python scripts/evaluate.py model.pretrained=exported/ eval_sequences=200
+    python scripts/evaluate.py run=outputs/... task=hellaswag task_file=hellaswag_val.jsonl
     python scripts/evaluate.py --help                                     # conf/evaluate.yaml
 
 The run's model comes from its checkpoint, its settings from its saved config: the corpus (or
@@ -29,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 import data  # noqa: E402
 import opt  # noqa: E402
 from model import GPT  # noqa: E402
-from recipe import config, distributed, errors, tools  # noqa: E402
+from recipe import config, distributed, errors, hellaswag, tools  # noqa: E402
 from train import build_loaders, evaluate  # noqa: E402
 
 config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
@@ -38,6 +41,7 @@ config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
 SPREADING = ("ddp", "fsdp")
 # The optimizer's stage changes nothing evaluated (and would need torchao to plan): left out too.
 OPTIMIZER_ONLY = ("lowbit",)
+TASKS = ("val_loss", "hellaswag")
 
 
 @errors.app(config_name="evaluate", config_path="../conf")  # @hydra.main, its errors in one line
@@ -70,11 +74,12 @@ def run_config(cfg: DictConfig, saved: dict[str, Any] | None, model: GPT) -> Dic
 
 
 def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
-    """Prints the validation loss and perplexity (and writes them to `out` as JSON)."""
-    config.check_numbers(
-        cfg, {"eval_sequences": config.count(1, nullable=True),
-              "block_size": config.count(1, nullable=True)},
-    )  # fmt: skip
+    """Prints the validation loss and perplexity, or the HellaSwag accuracies (and writes them
+    to `out` as JSON)."""
+    counts = ("eval_sequences", "block_size", "limit")
+    config.check_numbers(cfg, {key: config.count(1, nullable=True) for key in counts})
+    if cfg.task not in TASKS:
+        raise errors.ConfigError(f"task={cfg.task!r}: choose one of {', '.join(TASKS)}")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise errors.ConfigError(
             "evaluate.py runs as one process: start it with python, not torchrun"
@@ -83,32 +88,57 @@ def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
     model, saved = tools.load_model(cfg, distributed.resolve_device(cfg.device))
     run_cfg = run_config(cfg, saved, model)
 
-    # As the trainer does: the plan and the model stages, the corpus, the fixed windows.
+    # As the trainer does: the plan and the model stages, then the task.
     dist = distributed.init(run_cfg.device)
     plan = opt.plan(run_cfg, dist)
     model = opt.apply_model_stages(model, run_cfg.opt, plan, dist)  # type: ignore[assignment]
-    data.prepare(run_cfg.data)
-    _, val_loader = build_loaders(run_cfg, plan, dist)
-    loss = evaluate(model, val_loader, plan, dist)
-
-    sequences, block = run_cfg.train.eval_sequences, run_cfg.model.block_size
-    result = {
-        "val/loss": loss,
-        "val/perplexity": math.exp(loss),
+    task = hellaswag_task if cfg.task == "hellaswag" else val_loss_task
+    result = task(cfg, run_cfg, model, plan, dist) | {
         "model": tools.source(cfg),
-        "data": run_cfg.data.name,
-        "eval_sequences": sequences,
-        "block_size": block,
+        "block_size": run_cfg.model.block_size,
         "stages": plan.stages,
         "device": str(dist.device),
     }
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def val_loss_task(
+    cfg: DictConfig, run_cfg: DictConfig, model: GPT, plan: opt.Plan, dist: distributed.Distributed
+) -> dict[str, Any]:
+    """The loss over the trainer's fixed validation windows (its loader, its evaluate())."""
+    data.prepare(run_cfg.data)
+    _, val_loader = build_loaders(run_cfg, plan, dist)
+    loss = evaluate(model, val_loader, plan, dist)
+    sequences, block = run_cfg.train.eval_sequences, run_cfg.model.block_size
     print(
         f"[evaluate] val/loss {loss:.4f} | perplexity {math.exp(loss):.2f} | {sequences} windows "
         f"of {block} tokens of {run_cfg.data.name} | stages {'+'.join(plan.stages) or 'none'}"
     )
-    if out is not None:
-        out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return {
+        "val/loss": loss,
+        "val/perplexity": math.exp(loss),
+        "data": run_cfg.data.name,
+        "eval_sequences": sequences,
+    }
+
+
+def hellaswag_task(
+    cfg: DictConfig, run_cfg: DictConfig, model: GPT, plan: opt.Plan, dist: distributed.Distributed
+) -> dict[str, Any]:
+    """HellaSwag's three accuracies (recipe/hellaswag.py) under the run's precision."""
+    items = hellaswag.load_items(cfg.task_file, run_cfg.data.cache_dir, cfg.limit)
+    scores = hellaswag.evaluate(
+        model, items, block_size=run_cfg.model.block_size, dist=dist,
+        autocast=plan.autocast(dist.device),
+    )  # fmt: skip
+    print(
+        f"[evaluate] hellaswag acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | "
+        f"acc_token_mean {scores['acc_token_mean']:.4f} | {len(items)} items | stages "
+        f"{'+'.join(plan.stages) or 'none'}"
+    )
+    return {f"hellaswag/{k}": v for k, v in scores.items()} | {"task_file": cfg.task_file}
 
 
 if __name__ == "__main__":

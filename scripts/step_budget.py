@@ -10,6 +10,12 @@ gradient-norm clip), norm/elementwise (LayerNorm, GELU, residual adds, bias grad
 embedding: mostly Inductor's fused Triton kernels), copies (memcpy/memset/cat), communication
 (NCCL), other. Idle is the part of the recorded window in which no kernel runs.
 
+A trace recorded on a CPU has no kernels: its operators are split by the same rules, each by its
+self time (nested operators count once) under the family of its outermost operator that has one
+(everything under `Optimizer.step#AdamW.step` is the optimizer's); idle is then the time in no
+operator (Python, waiting for a batch). `scripts/ablate.py ... profile=true` uses `budget()` for
+every row of a ladder.
+
 The roofline column is a floor computed from the model's shapes (assumptions below), at the
 measured ceilings of the GPU (`--tflops`, `--tbps`): it says how far each family is from what
 the hardware allows, not what any kernel could reach.
@@ -22,18 +28,42 @@ import json
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+# First match wins. The GPU's kernel names, then (`aten::...`, autograd's `...Backward0`) the
+# CPU's operator names: on a CPU, the aten operators no other family claims are pointwise ops and
+# reductions (add, mul, gelu, embedding, sum), so they are norm/elementwise.
 FAMILIES = (
     ("communication", re.compile(r"nccl", re.I)),
     ("attention", re.compile(r"flash|fmha|sdpa|attention|cudnn", re.I)),
-    ("optimizer", re.compile(r"adam|lpnorm|multi_tensor_apply", re.I)),
-    ("loss", re.compile(r"log_softmax|nll_loss|cross_entropy|linear_ce", re.I)),
-    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|wgmma|splitk|triton_tem_", re.I)),
-    ("copies", re.compile(r"memcpy|memset|copy_kernel|catarray", re.I)),
-    ("norm/elementwise", re.compile(r"triton_|norm|elementwise|vectorized|reduce|gelu", re.I)),
+    ("optimizer", re.compile(r"adam|lpnorm|multi_tensor_apply|_foreach_", re.I)),
+    ("loss", re.compile(r"log_?softmax|nll_?loss|cross_entropy|linear_ce", re.I)),
+    (
+        "matmul",
+        re.compile(
+            r"gemm|nvjet|xmma|cutlass|cublas|wgmma|splitk|triton_tem_"
+            r"|aten::(addmm|mm|bmm|matmul|linear)\b|(addmm|mm|bmm)backward",
+            re.I,
+        ),
+    ),
+    ("copies", re.compile(r"memcpy|memset|copy_kernel|catarray|aten::(copy_|cat|stack)\b", re.I)),
+    (
+        "norm/elementwise",
+        re.compile(r"triton_|norm|elementwise|vectorized|reduce|gelu|aten::", re.I),
+    ),
 )
 ORDER = [name for name, _ in FAMILIES] + ["other", "idle"]
+
+
+class Op(NamedTuple):
+    """A kernel (or, in a CPU trace, an operator) with its family and the time counted for it
+    (`self_us`: a kernel's duration, an operator's less the operators it calls)."""
+
+    name: str
+    family: str
+    ts: float
+    dur: float
+    self_us: float
 
 
 def family(name: str, category: str) -> str:
@@ -45,9 +75,40 @@ def family(name: str, category: str) -> str:
     return "other"
 
 
-def gpu_events(trace: dict) -> list[dict]:
+def gpu_events(trace: dict) -> list[Op]:
     kinds = ("kernel", "gpu_memcpy", "gpu_memset")
-    return [e for e in trace["traceEvents"] if e.get("cat") in kinds and e.get("dur", 0) > 0]
+    return [
+        Op(e.get("name", ""), family(e.get("name", ""), e["cat"]), e["ts"], e["dur"], e["dur"])
+        for e in trace["traceEvents"]
+        if e.get("cat") in kinds and e.get("dur", 0) > 0
+    ]
+
+
+def cpu_events(trace: dict) -> list[Op]:
+    """The operators of a CPU trace (and the `record_function` ranges around them, such as
+    `Optimizer.step#AdamW.step`), each with its self time and the family of its outermost
+    enclosing operator that has one, so that the ops inside the optimizer's step, the loss or a
+    linear layer count for those, whatever their own names."""
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in trace["traceEvents"]:
+        step = e.get("name", "").startswith("ProfilerStep#")
+        if e.get("cat") in ("cpu_op", "user_annotation") and e.get("dur", 0) > 0 and not step:
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    ops: list[Op] = []
+    for events in by_thread.values():
+        stack: list[int] = []  # the enclosing ops, as positions in `ops`
+        for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):  # outer before inner
+            while stack and ops[stack[-1]].ts + ops[stack[-1]].dur <= e["ts"]:
+                stack.pop()
+            fam = ops[stack[-1]].family if stack else "other"
+            if stack:  # the parent's own time is what its children leave
+                parent = ops[stack[-1]]
+                ops[stack[-1]] = parent._replace(self_us=parent.self_us - e["dur"])
+            if fam == "other":
+                fam = family(e.get("name", ""), e["cat"])
+            stack.append(len(ops))
+            ops.append(Op(e.get("name", ""), fam, e["ts"], e["dur"], e["dur"]))
+    return ops
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -83,43 +144,46 @@ def roofline_ms(a: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def step_spans(trace: dict) -> list[tuple[float, float]]:
-    """The recorded steps on the GPU's timeline (the profiler's `ProfilerStep#N` ranges as the
-    GPU executed them); empty for a trace that has none."""
+def step_spans(trace: dict, category: str = "gpu_user_annotation") -> list[tuple[float, float]]:
+    """The recorded steps (the profiler's `ProfilerStep#N` ranges) on the GPU's timeline, as the
+    GPU executed them, or with `category="user_annotation"` on the CPU's; empty for a trace that
+    has none."""
     return [
         (e["ts"], e["ts"] + e["dur"])
         for e in trace["traceEvents"]
-        if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("ProfilerStep#")
+        if e.get("cat") == category and e.get("name", "").startswith("ProfilerStep#")
     ]
 
 
 def budget(trace: dict, steps: int) -> dict[str, Any]:
-    """Per-step GPU time by family. The window is the recorded steps as the GPU ran them when
-    the trace marks them (kernels launched earlier but run inside count; those outside do not),
-    else first to last kernel over `steps`."""
-    events = gpu_events(trace)
+    """Per-step GPU time by family (a CPU trace: CPU time by operator family). The window is the
+    recorded steps as the GPU ran them when the trace marks them (kernels launched earlier but
+    run inside count; those outside do not), else first to last kernel over `steps`."""
+    events, annotation = gpu_events(trace), "gpu_user_annotation"
+    if not events:  # recorded on a CPU
+        events, annotation = cpu_events(trace), "user_annotation"
     if not events:
-        raise SystemExit("no GPU kernels in this trace: was it recorded on a GPU (+prof=trace)?")
-    spans = step_spans(trace)
+        raise SystemExit("no GPU kernels or CPU operators in this trace: was it +prof=trace's?")
+    spans = step_spans(trace, annotation)
     if spans:
         first, last = min(a for a, _ in spans), max(b for _, b in spans)
-        events = [e for e in events if first <= e["ts"] < last]
+        events = [e for e in events if first <= e.ts < last]
         steps = len(spans)
     per_family: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     top: dict[str, float] = defaultdict(float)
     for e in events:
-        fam = family(e.get("name", ""), e["cat"])
-        per_family[fam] += e["dur"]
-        counts[fam] += 1
-        top[e.get("name", "")[:120]] += e["dur"]
-    start = first if spans else min(e["ts"] for e in events)
-    end = last if spans else max(e["ts"] + e["dur"] for e in events)
+        per_family[e.family] += e.self_us
+        counts[e.family] += 1
+        top[e.name[:120]] += e.self_us
+    start = first if spans else min(e.ts for e in events)
+    end = last if spans else max(e.ts + e.dur for e in events)
     window = end - start
-    busy = busy_time([(e["ts"], min(e["ts"] + e["dur"], end)) for e in events])
+    busy = busy_time([(e.ts, min(e.ts + e.dur, end)) for e in events])
     per_family["idle"] = window - busy
     ms = {k: v / 1e3 / steps for k, v in per_family.items()}
     return {
+        "timeline": "GPU" if annotation == "gpu_user_annotation" else "CPU",
         "steps": steps,
         "step_ms": window / 1e3 / steps,
         "busy_ms": busy / 1e3 / steps,
@@ -132,10 +196,10 @@ def budget(trace: dict, steps: int) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    floors = result["roofline_ms"]
+    floors, timeline = result["roofline_ms"], result.get("timeline", "GPU")
     lines = [
-        f"GPU window {result['step_ms']:.1f} ms/step ({result['steps']} steps), kernels busy "
-        f"{result['busy_ms']:.1f} ms.",
+        f"{timeline} window {result['step_ms']:.1f} ms/step ({result['steps']} steps), "
+        f"{'kernels' if timeline == 'GPU' else 'operators'} busy {result['busy_ms']:.1f} ms.",
         "",
         "| family | ms/step | share | kernels/step | roofline ms | measured / roofline |",
         "|---|---|---|---|---|---|",
@@ -171,7 +235,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     args = parser.parse_args()
     result = budget(json.loads(args.trace.read_text()), args.steps)
-    result["roofline_ms"] = roofline_ms(args)
+    result["roofline_ms"] = roofline_ms(args) if result["timeline"] == "GPU" else {}
     result["assumptions"] = {k: v for k, v in vars(args).items() if k not in ("trace", "json")}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

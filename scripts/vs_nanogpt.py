@@ -373,46 +373,9 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def upgrade(old: dict) -> dict:
-    """A first-schema vs_nanogpt.json (one ladder row against bench.py at one batch, single runs)
-    in this schema, so that it renders with the same honesty: its batch, biases and math read
-    from the commands it recorded."""
-    command = old["command"]
-    batches = re.findall(r"opt\.bs\.batch_size=(\d+)", command)
-    nanogpt_batch = int(re.search(r"--batch_size=(\d+)", old["nanogpt_command"]).group(1))
-    configs = [
-        {"name": f"bench.py b{nanogpt_batch}" + (" bias" if bias else ""), "side": "nanogpt",
-         "batch": nanogpt_batch, "bias": bias, "math": None, "what": NANOGPT_MATH,
-         "command": old["nanogpt_command"]}
-        for bias in (False, True)
-    ]  # fmt: skip
-    ours = {"name": f"ours {old['ladder_step']}", "side": "ours", "bias": True}
-    ours |= {"batch": int(batches[-1]) if batches else None}
-    ours |= {"variant": f"speed ladder row `{old['ladder_step']}`"}
-    ours |= {"math": other_math(command.split()), "what": "speed ladder row", "command": command}
-    tps = [old["nanogpt_tokens_per_sec"], old["nanogpt_bias_tokens_per_sec"]]
-    tps.append(old["ours_tokens_per_sec"])
-    configs.append(ours)
-    runs = [
-        {"config": c["name"], "repeat": 1, "tokens_per_sec": t}
-        for c, t in zip(configs, tps, strict=True)
-    ]
-    env = {"device": old["device"], "date": old["date"], "torch": old["torch"]}
-    env["git_commit"] = old["commit"]
-    result = {
-        "environment": env,
-        "configs": configs,
-        "runs": runs,
-        "order": "one run each, not interleaved",
-    }
-    result["notes"] = ["First schema: bench.py at one batch, one run each, no repeats."]
-    return summarize(result)
-
-
 def load(path: Path) -> dict:
-    """A vs_nanogpt.json in this schema, whichever schema it was written in."""
-    result = json.loads(path.read_text())
-    return summarize(result) if "configs" in result else upgrade(result)
+    """A vs_nanogpt.json with its ratios and headlines (re)computed from its runs."""
+    return summarize(json.loads(path.read_text()))
 
 
 # ---- the command line

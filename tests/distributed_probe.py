@@ -102,7 +102,7 @@ with opt.gradient_sync(model, True):
 found["grads_after_last_micro_step"] = sum(p.grad is not None for p in model.parameters())
 
 # 3. float16: an overflow in one rank's gradient shard makes every rank skip the step.
-cfg, plan = _plan("fsdp", "amp")
+cfg, plan = _plan("fsdp", "amp", amp={"dtype": "float16"})
 model = _toy()
 opt.apply_model_stages(model, cfg.opt, plan, dist)
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)

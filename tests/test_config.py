@@ -116,7 +116,7 @@ def test_cli_help_shows_every_key_with_its_comment_and_only_the_trainers_groups(
         assert line in text, line
     assert "max_steps: 400            # optimizer steps to run" in text
     groups = re.findall(r"^== (\w+): ", text, flags=re.M)
-    assert groups == ["model", "data", "opt", "prof"]  # not ablate.py's `ladder`
+    assert groups == ["model", "data", "opt", "prof", "preset"]  # not ablate.py's `ladder`
     assert not re.search(r"^\W*ladder", text, flags=re.M)
     for option in (CONF / "opt").glob("*.yaml"):  # each option with its file's opening comment
         first = (CONF / "opt" / option.name).read_text().splitlines()[0].lstrip("# ")

@@ -64,7 +64,7 @@ def test_a_ci_mark_without_its_block_is_an_error() -> None:
 
 
 def test_float16_on_a_cpu_warns_once_and_bfloat16_does_not(capsys) -> None:
-    opt.plan(tiny_cfg("+opt=amp"), SINGLE)
+    opt.plan(tiny_cfg("+opt=amp", "opt.amp.dtype=float16"), SINGLE)
     out = capsys.readouterr().out
     assert out.count("[warning]") == 1
     assert "opt.amp.dtype=float16 on a CPU is emulated" in out

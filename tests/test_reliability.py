@@ -118,8 +118,9 @@ def test_a_huge_learning_rate_ends_with_an_error_not_with_nan_checkpoints(tmp_pa
 
 def test_float16_steps_skipped_by_the_scaler_are_reported(tmp_path) -> None:
     with pytest.raises(NonFiniteSteps, match="float16 loss scale now"):
-        tiny_run(tmp_path, "+opt=amp", "train.lr=1e3", "train.min_lr=0", "train.max_steps=60",
-                 "train.max_bad_steps=4", "train.checkpoint_interval=0", *QUIET)  # fmt: skip
+        tiny_run(tmp_path, "+opt=amp", "opt.amp.dtype=float16", "train.lr=1e3", "train.min_lr=0",
+                 "train.max_steps=60", "train.max_bad_steps=4", "train.checkpoint_interval=0",
+                 *QUIET)  # fmt: skip
     assert any(r.get("train/skipped_steps") for r in _rows(tmp_path))
 
 
@@ -236,7 +237,8 @@ def test_sigterm_to_a_launcher_group_checkpoints_and_exits_0(tmp_path) -> None:
 
 def test_a_plain_checkpoint_resumes_with_float16_amp(tmp_path) -> None:
     tiny_run(tmp_path, "train.max_steps=2", *QUIET)
-    summary = tiny_run(tmp_path, "train.max_steps=3", "train.resume=true", "+opt=amp", *QUIET)
+    amp = ("+opt=amp", "opt.amp.dtype=float16")
+    summary = tiny_run(tmp_path, "train.max_steps=3", "train.resume=true", *amp, *QUIET)
     assert summary["step"] == 3 and summary["completed"]
 
 

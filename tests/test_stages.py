@@ -36,8 +36,7 @@ REFUSED = {
         ("lowbit", "forloop"), ("lowbit", "foreach"), ("lowbit", "fused"), ("lowbit", "offload"),
         ("offload", "fsdp"), ("offload", "ddp"), ("opt_in_backward", "accum"),
         ("opt_in_backward", "ddp"), ("opt_in_backward", "fsdp"), ("opt_in_backward", "offload"),
-        ("opt_in_backward", "amp"),  # amp's default float16 needs the GradScaler
-    ]
+    ]  # (opt_in_backward with amp: refused in float16 only, test_memory_stages; auto here: bf16)
 }  # fmt: skip
 # Stages that run in one process only (and fsdp, in several only): planned for the right world.
 ONE_PROCESS = {"offload", "opt_in_backward"}

@@ -40,9 +40,9 @@ def test_kernels_fall_into_their_families_and_gaps_are_idle() -> None:
     assert "| matmul | 0.04 |" in step_budget.markdown({**result, "roofline_ms": {}})
 
 
-def test_a_cpu_trace_is_refused_with_a_reason() -> None:
-    with pytest.raises(SystemExit, match="no GPU kernels"):
-        step_budget.budget({"traceEvents": [{"cat": "cpu_op", "dur": 3, "ts": 0}]}, steps=1)
+def test_a_trace_without_kernels_or_operators_is_refused_with_a_reason() -> None:
+    with pytest.raises(SystemExit, match="no GPU kernels or CPU operators"):
+        step_budget.budget({"traceEvents": [{"cat": "python_function", "dur": 3, "ts": 0}]}, 1)
 
 
 def test_the_window_is_the_recorded_steps_as_the_gpu_ran_them() -> None:

@@ -1,0 +1,136 @@
+"""Hints that work when followed: the closing `continue:` line of a run, pasted into a shell as
+printed, continues it (torchrun with its process count for a multi-process run); the README's
+commands survive zsh (Hydra list overrides quoted)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY, load_script, logged
+from recipe import distributed
+from train import closing_line
+
+RUN = ("train.log_interval=1", "train.eval_interval=2", "train.checkpoint_interval=2",
+       "train.warmup_steps=0", "wandb.mode=disabled", "train.batch_size=2")  # fmt: skip
+
+
+def _continue_line(output: str) -> str:
+    (line,) = [line for line in output.splitlines() if line.startswith("  continue: ")]
+    return line.removeprefix("  continue: ")
+
+
+def test_a_one_process_run_continues_with_python(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    line = _continue_line(closing_line(tmp_path, 2, 2))
+    assert shlex.split(line)[:2] == ["python", "train.py"]
+    assert shlex.split(line)[-1] == "train.max_steps=4"  # a number, not a `<more>` redirect
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, ["--standalone", "--nproc_per_node=2"]),
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, ["--nnodes=2", "--nproc_per_node=4"]),
+    ],
+)
+def test_a_torchrun_run_continues_with_torchrun_and_its_process_count(
+    monkeypatch, tmp_path, env, words
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    command = shlex.split(_continue_line(closing_line(tmp_path / "a b", 1, 2)))
+    assert command[0] == "torchrun" and command[1 : 1 + len(words)] == words
+    assert command[command.index("train.py") :] == [
+        "train.py", f"hydra.run.dir={tmp_path / 'a b'}", "train.resume=true"
+    ]  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_continue_line_of_a_ddp_run_pasted_as_printed_resumes_it(tmp_path) -> None:
+    run_dir = tmp_path / "ddp run"  # a space: the printed line must quote it
+    launch = [*distributed.torchrun(2), "train.py", *TINY, *RUN, "train.max_steps=2"]
+    first = subprocess.run(
+        [*launch, f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    line = _continue_line(first.stdout)
+    assert line.startswith("torchrun --standalone --nproc_per_node=2 train.py")
+    # The venv's torchrun, as on a user's PATH with the venv active.
+    env = os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    second = subprocess.run(
+        line, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
+    assert "finished at step 4/4" in second.stdout
+    assert logged(run_dir, "train/loss") and len(logged(run_dir, "train/loss")) == 4
+
+
+def unquoted_brackets(line: str) -> list[str]:
+    """The words of a shell command line with a `[` outside quotes: zsh reads such a word as a
+    glob pattern and fails ("no matches found") before the program starts."""
+    words, word, quote, bracket = [], "", "", False
+    for char in line:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char.isspace():
+            words += [word] if bracket else []
+            word, bracket = "", False
+            continue
+        elif char == "#" and not word:
+            break  # a comment
+        elif char == "[":
+            bracket = True
+        word += char
+    return words + ([word] if bracket else [])
+
+
+def readme_commands(text: str) -> list[str]:
+    """The shell commands a reader copies: each line of a fenced bash block, and each inline code
+    span that is a command (`python ...`, `torchrun ...`) or a single override."""
+    commands = []
+    for block in re.findall(r"```(?:bash|sh|console)\n(.*?)```", text, flags=re.S):
+        commands += block.splitlines()
+    for span in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+        if span.startswith(("python ", "torchrun ")) or " " not in span:
+            commands.append(span)
+    return commands
+
+
+def test_the_bracket_check_reads_quotes_as_the_shell_does() -> None:
+    assert unquoted_brackets("python train.py +opt=[amp,compile]") == ["+opt=[amp,compile]"]
+    assert unquoted_brackets("python train.py '+opt=[amp,compile]' \"extra=['+x']\"") == []
+    assert unquoted_brackets("python a.py  # +opt=[amp] in a comment") == []
+
+
+@pytest.mark.parametrize(
+    "path", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name
+)
+def test_every_documented_command_quotes_its_hydra_lists_for_zsh(path: Path) -> None:
+    bad = [c for c in readme_commands(path.read_text()) if unquoted_brackets(c)]
+    assert not bad, f"{path.name}: quote these for zsh ('+opt=[a,b]'): {bad}"
+
+
+def test_the_readme_sweep_example_is_small() -> None:
+    sweeps = [c for c in readme_commands((ROOT / "README.md").read_text()) if "train.py -m " in c]
+    assert sweeps and all("train.max_steps=" in c for c in sweeps), sweeps
+
+
+def test_ablate_writes_untracked_results_unless_asked_to_publish() -> None:
+    from hydra import compose, initialize_config_dir
+
+    ablate = load_script("ablate")
+    with initialize_config_dir(config_dir=str(ablate.CONF), version_base="1.3"):
+        default = compose("ablate", overrides=["ladder=quick"])
+        published = compose("ablate", overrides=["ladder=quick", "publish=true"])
+    assert ablate.results_dir(default) == Path("outputs/ablate/results")  # outputs/: gitignored
+    assert ablate.results_dir(published) == ROOT / "docs" / "results"

@@ -1,0 +1,131 @@
+"""scripts/plan_memory.py: every measured ok row of the memory ladders predicted within 10% from
+shapes and stages alone, the published table current, one JSON object per prediction, --fit's
+candidates fastest first with commands that plan the same, a bad override refused in one line,
+and a prediction in seconds on a CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, python
+
+# Registered in sys.modules: its dataclasses resolve their annotations through it.
+spec = importlib.util.spec_from_file_location("plan_memory", ROOT / "scripts/plan_memory.py")
+plan_memory = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+sys.modules["plan_memory"] = plan_memory
+spec.loader.exec_module(plan_memory)
+
+ROWS = [
+    (gpu, ladder, row["name"])
+    for gpu, ladder in plan_memory.VALIDATED
+    for row in plan_memory.measured_rows(gpu, ladder)
+]
+XL_LOWBIT = [
+    "model=gpt2-xl", "train.batch_size=16", "+opt=[amp,ac,custom_op,lowbit,opt_in_backward]",
+    "opt.amp.dtype=bfloat16", "opt.custom_op.chunk_size=4096", "opt.amp.weight_cache=false",
+    "train.grad_clip=inf",
+]  # fmt: skip
+
+
+def _row(gpu: str, ladder: str, name: str) -> dict:
+    return next(r for r in plan_memory.measured_rows(gpu, ladder) if r["name"] == name)
+
+
+@pytest.mark.parametrize(("gpu", "ladder", "name"), ROWS)
+def test_every_measured_row_is_predicted_within_tolerance(gpu: str, ladder: str, name: str):
+    row = _row(gpu, ladder, name)
+    predicted = plan_memory.predict_overrides(plan_memory.row_overrides(row)).peak_gib
+    measured = row["peak_allocated_gib"]
+    assert abs(predicted / measured - 1) <= plan_memory.TOLERANCE, (predicted, measured)
+
+
+def test_the_published_table_lists_every_validated_row() -> None:
+    text = (ROOT / "docs/results" / plan_memory.FIT_GPU / "memory_plan.md").read_text()
+    table = text.split("## Not validated")[0]  # the informative tables follow
+    for gpu, ladder, name in ROWS:
+        assert f"| {gpu} | {ladder} | `{name}` |" in table
+    assert "**off**" not in table
+
+
+def test_json_has_the_peak_every_category_and_the_phase_in_seconds() -> None:
+    started = time.perf_counter()
+    done = subprocess.run(
+        [python(), "scripts/plan_memory.py", *XL_LOWBIT, "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time.perf_counter() - started < 60  # seconds, no GPU (~5 s of CPU)
+    out = json.loads(done.stdout)
+    assert set(out) == {"peak_gib", *plan_memory.CATEGORIES, "phase", "moment", "sets_peak"}
+    assert out["phase"] in ("forward", "backward", "step")
+    assert out["sets_peak"] in plan_memory.CATEGORIES
+    parts = sum(out[c] for c in plan_memory.CATEGORIES)
+    assert out["peak_gib"] == pytest.approx(parts, abs=0.01)
+    assert out["gradients"] == 0  # opt_in_backward frees each gradient at once
+
+
+def test_stages_move_the_categories_they_should() -> None:
+    base = plan_memory.predict_overrides(["model=gpt2-medium", "+opt=[amp,fused]"])
+    ac = plan_memory.predict_overrides(["model=gpt2-medium", "+opt=[amp,fused,ac]"])
+    lowbit = plan_memory.predict_overrides(XL_LOWBIT)
+    four = plan_memory.predict_overrides([*XL_LOWBIT, "opt.lowbit.bits=4"])
+    assert ac.everything["forward"]["activations"] < base.everything["forward"]["activations"] / 5
+    assert four.categories["optimizer_state"] < 0.6 * lowbit.categories["optimizer_state"]
+    assert base.everything["step"]["optimizer_state"] == 2 * base.everything["step"]["weights"]
+
+
+def test_fit_lists_the_fastest_fitting_rows_first_with_their_commands(monkeypatch) -> None:
+    monkeypatch.setattr(plan_memory, "FIT_LADDERS", ("memory_xl",))
+    found = plan_memory.fit(22)
+    speeds = [r["tokens_per_sec"] for r in found]
+    assert speeds == sorted(speeds, reverse=True)
+    assert found[0]["name"] == "lowbit"  # the fastest memory_xl row predicted under 22 GiB
+    assert all(r["peak_gib"] * plan_memory.RESERVED_OVER_ALLOCATED <= 22 for r in found)
+    assert {"ac", "bf16", "bs64"}.isdisjoint(r["name"] for r in found)
+    command = shlex.split(found[0]["command"])
+    assert command[:2] == ["python", "train.py"] and "hydra.run.dir" not in found[0]["command"]
+    again = plan_memory.predict_overrides(command[2:]).peak_gib
+    assert again == pytest.approx(found[0]["peak_gib"])
+    # the issue's measurement: the 8-bit row ran out of memory under a 14 GiB cap
+    assert "lowbit" not in [r["name"] for r in plan_memory.fit(14)]
+
+
+def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
+    assert plan_memory.parse_size("22GiB") == plan_memory.parse_size("22") == 22
+    assert plan_memory.parse_size("24GB") == pytest.approx(22.35, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["model=nope"], "Could not find 'model/nope'"),
+        (["+opt=[amp,ac]", "opt.ac.mode=bogus"], "opt.ac.mode='bogus'"),
+        (["train.batch_size=0"], "train.batch_size must be"),
+        (["budget=lots"], "budget='lots'"),
+        (["nproc=0"], "nproc=0"),
+        (["--fit"], "budget=22GiB"),
+        (["--jsn"], "unknown flag"),
+    ],
+)
+def test_a_bad_override_is_refused_in_one_line(args: list[str], expected: str) -> None:
+    with pytest.raises(SystemExit) as refused:
+        plan_memory.cli(args)
+    message = str(refused.value.code)
+    assert message.startswith("plan_memory.py") and expected in message
+    assert "\n" not in message
+
+
+def test_the_command_line_refuses_without_a_traceback() -> None:
+    done = subprocess.run(
+        [python(), "scripts/plan_memory.py", "model=nope"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("plan_memory.py: ")
