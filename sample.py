@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
-from recipe import config, generate, tools
+from recipe import config, errors, generate, tools
 from recipe.distributed import resolve_device
 
 config.register_resolvers()  # --help: conf/sample.yaml with its comments
@@ -30,15 +29,15 @@ NUMBERS = {
 }
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="sample")
+@errors.app(config_name="sample")  # @hydra.main, its errors in one line
 def main(cfg: DictConfig) -> None:
-    tools.one_line_errors("sample.py", sample, cfg)
+    sample(cfg)
 
 
 def read_prompt(cfg: DictConfig) -> str:
     """`prompt=` or the text of `prompt_file=`; neither: a newline, as the trainer's samples."""
     if cfg.prompt is not None and cfg.prompt_file is not None:
-        raise ValueError(
+        raise errors.ConfigError(
             f"prompt={cfg.prompt!r} and prompt_file={cfg.prompt_file} both give the prompt: "
             "give one"
         )
@@ -47,7 +46,9 @@ def read_prompt(cfg: DictConfig) -> str:
         try:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"prompt_file={path}: cannot read it as UTF-8 text ({e})") from e
+            raise errors.ConfigError(
+                f"prompt_file={path}: cannot read it as UTF-8 text ({e})"
+            ) from e
     return "\n" if cfg.prompt is None else str(cfg.prompt)
 
 

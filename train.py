@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 import data
 import opt
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, generate, hellaswag, launch, rundir
+from recipe import checkpoint, config, distributed, errors, generate, hellaswag, launch, rundir
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import cap_memory, peak_flops
 from recipe.metrics import LoopMeter, MetricLogger, memory_gib, reset_memory_peaks
@@ -34,12 +34,15 @@ from recipe.schedule import learning_rate, set_learning_rate
 config.register_resolvers()  # ${launch:} names the run folder; --help shows conf/ with comments
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+DROPPED: list[str] = []  # this command line's '~opt=<stage>': a resume drops a saved stage
+
+
+@errors.app(config_name="config")  # @hydra.main, its errors in one line
 def main(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     with rundir.removed_on_failure(run_dir):  # a failed launch leaves no empty run folder
-        return train(cfg, run_dir, overrides=list(hydra_cfg.overrides.task))
+        return train(cfg, run_dir, overrides=[*hydra_cfg.overrides.task, *DROPPED])
 
 
 def build_model(cfg: DictConfig) -> GPT:
@@ -50,7 +53,7 @@ def build_model(cfg: DictConfig) -> GPT:
     model = GPT.from_pretrained(cfg.pretrained, dropout=cfg.dropout)
     positions = model.config.block_size
     if cfg.block_size > positions:
-        raise ValueError(
+        raise errors.ConfigError(
             f"model.block_size={cfg.block_size} exceeds the {positions} positions of "
             f"{cfg.pretrained}: use model.block_size<={positions}"
         )
@@ -182,7 +185,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     overrides = list(overrides)
     if cfg.train.resume:
         cfg, overrides = config.for_resume(run_dir, overrides)
-    config.validate(cfg)
+    config.validate(cfg, overrides)
     dist = distributed.init(cfg.device)
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
@@ -374,4 +377,5 @@ def finished_already(run_dir: Path, step: int, dist: distributed.Distributed) ->
 
 
 if __name__ == "__main__":
+    DROPPED += config.take_drops(sys.argv)  # before Hydra, which would not find the stage here
     main()

@@ -23,6 +23,7 @@ from data.sampler import StepSampler
 from data.tokenizer import VOCAB_SIZE
 from data.windows import RandomTokens, TextWindows, TokenWindows
 from data.workers import WorkerInit
+from recipe.errors import ConfigError
 
 __all__ = [
     "DeviceBatches",
@@ -131,7 +132,7 @@ def build_eval_loader(
     across runs). Each rank evaluates every W-th one, all ranks the same number."""
     num_sequences -= num_sequences % world_size
     if num_sequences < 1:
-        raise ValueError(
+        raise ConfigError(
             f"train.eval_sequences must be at least the number of ranks ({world_size})"
         )
     ids = StepSampler(len(dataset), num_sequences, seed=seed).batch_ids(0)  # type: ignore[arg-type]

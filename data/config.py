@@ -7,6 +7,7 @@ import re
 from omegaconf import DictConfig
 
 from data.tokenizer import VOCAB_SIZE
+from recipe.errors import ConfigError
 
 SOURCES = ("shakespeare", "text", "hub", "synthetic")
 LOADERS = ("memmap", "text")
@@ -24,23 +25,23 @@ def _is_integer(value: object) -> bool:
 def check_config(cfg: DictConfig) -> None:
     """Refuses data settings that cannot work, in one line naming the key and what it accepts."""
     if cfg.source not in SOURCES:
-        raise ValueError(f"data.source={cfg.source!r}: choose one of {', '.join(SOURCES)}")
+        raise ConfigError(f"data.source={cfg.source!r}: choose one of {', '.join(SOURCES)}")
     name = cfg.name
     if not isinstance(name, str) or not _FOLDER_NAME.fullmatch(name) or name in (".", ".."):
-        raise ValueError(
+        raise ConfigError(
             f"data.name={name!r} names the prepared folder inside data.cache_dir: use a plain "
             "folder name (letters, digits, '.', '_', '-'; not '.' or '..')"
         )
     if cfg.loader not in LOADERS:
-        raise ValueError(f"data.loader={cfg.loader!r}: choose one of {', '.join(LOADERS)}")
+        raise ConfigError(f"data.loader={cfg.loader!r}: choose one of {', '.join(LOADERS)}")
     if not _is_number(cfg.val_fraction) or not 0 < cfg.val_fraction < 1:
-        raise ValueError(f"data.val_fraction must be a number in (0, 1), got {cfg.val_fraction!r}")
+        raise ConfigError(f"data.val_fraction must be a number in (0, 1), got {cfg.val_fraction!r}")
     if cfg.num_proc is not None and (not _is_integer(cfg.num_proc) or cfg.num_proc < 1):
-        raise ValueError(f"data.num_proc must be null or an integer >= 1, got {cfg.num_proc!r}")
+        raise ConfigError(f"data.num_proc must be null or an integer >= 1, got {cfg.num_proc!r}")
     if cfg.source == "synthetic" and (
         not _is_integer(cfg.vocab_size) or not 1 <= cfg.vocab_size <= VOCAB_SIZE
     ):
-        raise ValueError(
+        raise ConfigError(
             f"data.vocab_size must be an integer in [1, {VOCAB_SIZE}] (GPT-2's vocabulary, which "
             f"the model predicts over), got {cfg.vocab_size!r}"
         )

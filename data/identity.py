@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.integrity import content_sha256
 from data.sources import expand_files, shakespeare_files
 from data.tokenizer import TOKEN_DTYPE, TOKENIZER
+from recipe.errors import ConfigError
 
 
 def _sources(cfg: DictConfig) -> tuple[str, str]:
@@ -46,7 +47,7 @@ def check_corpus(saved: dict[str, str] | None, current: dict[str, str]) -> None:
                       ("dtype", "the token dtype")):  # fmt: skip
         old, new = saved.get(key), current[key]
         if old != new:
-            raise ValueError(
+            raise ConfigError(
                 f"the corpus changed since the checkpoint: {what} differs ({key} "
                 f"{_short(key, old)} -> {_short(key, new)}); resume with the original files or "
                 "start a new run"

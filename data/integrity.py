@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from recipe.errors import MissingFile, Unusable
+
 FULL_CHECK_BYTES = 512 * 2**20  # hash files up to this size whole on every load
 SAMPLE_BLOCKS = 16  # above it, hash this many blocks, evenly spaced from the first to the last
 SAMPLE_BLOCK_BYTES = 2**20
@@ -48,16 +50,16 @@ def check_file(path: Path, record: dict, fix: str, *, full: bool = False) -> Non
     """Refuses a file that differs from its `record`, with `fix` saying what to do: whole-file
     hash up to FULL_CHECK_BYTES (or with `full`), sampled blocks above."""
     if not path.is_file():
-        raise FileNotFoundError(f"prepared file {path} is missing: {fix}")
+        raise MissingFile(f"prepared file {path} is missing: {fix}")
     size = path.stat().st_size
     if size != record["bytes"]:
-        raise RuntimeError(
+        raise Unusable(
             f"{path} is corrupt: {size} bytes where meta.json says {record['bytes']}: {fix}"
         )
     if not matches(path, record, full=full):
         whole = full or size <= FULL_CHECK_BYTES
         what = "its content differs" if whole else f"{SAMPLE_BLOCKS} sampled blocks differ"
-        raise RuntimeError(f"{path} is corrupt: {what} from what meta.json records: {fix}")
+        raise Unusable(f"{path} is corrupt: {what} from what meta.json records: {fix}")
 
 
 def matches(path: Path, record: dict, *, full: bool = False) -> bool:

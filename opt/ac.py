@@ -27,6 +27,7 @@ from torch.utils.checkpoint import (
 )
 
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 MODES = ("full", "selective", "op")
 TARGETS = ("block", "attn", "mlp")
@@ -52,25 +53,31 @@ def save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> Ch
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def check_ac(cfg: DictConfig) -> None:
+    """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
+    if cfg.mode not in MODES:
+        raise ConfigError(f"opt.ac.mode={cfg.mode!r}: choose one of {', '.join(MODES)}")
+    if cfg.mode == "op" and cfg.use_reentrant:
+        raise ConfigError(
+            "opt.ac.mode=op needs opt.ac.use_reentrant=false: the reentrant checkpoint takes "
+            "no op-level policy"
+        )
+    if cfg.mode == "selective" and (cfg.target not in TARGETS or cfg.every < 1):
+        raise ConfigError(
+            f"opt.ac: target={cfg.target!r} must be one of {', '.join(TARGETS)} and "
+            f"every={cfg.every} >= 1"
+        )
+
+
 def apply_ac(model: torch.nn.Module, cfg: DictConfig) -> list[str]:
     """Checkpoints the chosen regions; returns their names."""
-    if cfg.mode not in MODES:
-        raise ValueError(f"opt.ac.mode={cfg.mode!r}: choose one of {', '.join(MODES)}")
+    check_ac(cfg)
     options = {"use_reentrant": cfg.use_reentrant}
     if cfg.mode == "op":
-        if cfg.use_reentrant:
-            raise ValueError(
-                "opt.ac.mode=op needs opt.ac.use_reentrant=false: the reentrant checkpoint takes "
-                "no op-level policy"
-            )
         options["context_fn"] = functools.partial(
             create_selective_checkpoint_contexts, save_matmuls
         )
     every, target = (cfg.every, cfg.target) if cfg.mode == "selective" else (1, "block")
-    if target not in TARGETS or every < 1:
-        raise ValueError(
-            f"opt.ac: target={target!r} must be one of {', '.join(TARGETS)} and every={every} >= 1"
-        )
     wrapped = []
     for i, block in enumerate(model.transformer.h):  # type: ignore[arg-type]  # a ModuleList
         if i % every:

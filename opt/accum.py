@@ -16,13 +16,14 @@ from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 
 def apply_accum(batch_size: int, cfg: DictConfig, fsdp: bool) -> tuple[int, bool]:
     """The number of micro-steps per optimizer step, and whether the gradient reduction waits for
     the last one."""
     if cfg.steps < 1 or batch_size % cfg.steps:
-        raise ValueError(
+        raise ConfigError(
             f"opt.accum.steps={cfg.steps} must divide the batch size {batch_size} "
             "(train.batch_size, or opt.bs.batch_size with +opt=bs)"
         )

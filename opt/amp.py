@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig
 
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTO = "auto"  # opt.amp.dtype: bfloat16 where the device supports it, else float16
@@ -35,18 +36,20 @@ def apply_amp(
     save nothing, and the cache alone keeps a copy of every weight (2 bytes per parameter in
     bfloat16) alive to the end of the forward: `weight_cache=false` frees each after its use."""
     if cfg.residual not in RESIDUALS:
-        raise ValueError(f"opt.amp.residual={cfg.residual!r}: choose one of {', '.join(RESIDUALS)}")
+        raise ConfigError(
+            f"opt.amp.residual={cfg.residual!r}: choose one of {', '.join(RESIDUALS)}"
+        )
     if not isinstance(cfg.weight_cache, bool):
-        raise ValueError(f"opt.amp.weight_cache={cfg.weight_cache!r}: choose true or false")
+        raise ConfigError(f"opt.amp.weight_cache={cfg.weight_cache!r}: choose true or false")
     name = resolve_dtype(cfg.dtype, device)
     dtype = DTYPES[name]
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(
+        raise ConfigError(
             f"+opt=amp with dtype=bfloat16, but {torch.cuda.get_device_name(device)} has no "
             "bfloat16 support: use opt.amp.dtype=float16"
         )
     if not torch.amp.autocast_mode.is_autocast_available(device.type):
-        raise ValueError(f"+opt=amp: autocast is not available on device type {device.type!r}")
+        raise ConfigError(f"+opt=amp: autocast is not available on device type {device.type!r}")
     warn_if_float16_on_cpu(dtype, device, "opt.amp.dtype")
     scaled = dtype == torch.float16
     residual = dtype if cfg.residual == "compute" else None
@@ -68,7 +71,7 @@ def resolve_dtype(choice: str, device: torch.device) -> str:
         native = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
         return "bfloat16" if native else "float16"
     if choice not in DTYPES:
-        raise ValueError(f"opt.amp.dtype={choice!r}: choose auto, float16 or bfloat16")
+        raise ConfigError(f"opt.amp.dtype={choice!r}: choose auto, float16 or bfloat16")
     return choice
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 
 def apply_bs(cfg: DictConfig) -> int:
     """The new per-rank batch size (sequences per optimizer step)."""
     if cfg.batch_size < 1:
-        raise ValueError(f"opt.bs.batch_size must be >= 1, got {cfg.batch_size}")
+        raise ConfigError(f"opt.bs.batch_size must be >= 1, got {cfg.batch_size}")
     log(f"[opt] bs: {cfg.batch_size} sequences per step per rank")
     return cfg.batch_size

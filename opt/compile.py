@@ -29,22 +29,28 @@ import torch._dynamo
 from omegaconf import DictConfig
 
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SCOPES = ("model", "block")
 
 
-def apply_compile(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False) -> None:
-    """Compiles `model` in place; `sharded`: FSDP will wrap it (compile it in pieces)."""
+def check_compile(cfg: DictConfig) -> None:
+    """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
     if cfg.mode not in MODES:
-        raise ValueError(f"opt.compile.mode={cfg.mode!r}: choose one of {', '.join(MODES)}")
+        raise ConfigError(f"opt.compile.mode={cfg.mode!r}: choose one of {', '.join(MODES)}")
     if cfg.scope not in SCOPES:
-        raise ValueError(f"opt.compile.scope={cfg.scope!r}: choose one of {', '.join(SCOPES)}")
+        raise ConfigError(f"opt.compile.scope={cfg.scope!r}: choose one of {', '.join(SCOPES)}")
     backends = torch._dynamo.list_backends(exclude_tags=())
     if cfg.backend not in backends:
-        raise ValueError(
+        raise ConfigError(
             f"opt.compile.backend={cfg.backend!r}: choose one of {', '.join(sorted(backends))}"
         )
+
+
+def apply_compile(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False) -> None:
+    """Compiles `model` in place; `sharded`: FSDP will wrap it (compile it in pieces)."""
+    check_compile(cfg)
     # Process-wide, set (or reset) on every call like tf32: Inductor's kernel tuning.
     import torch._inductor.config as inductor_config
 

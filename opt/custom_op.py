@@ -19,20 +19,26 @@ from omegaconf import DictConfig
 from kernels import linear_cross_entropy
 from model import GPT
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 WARPS = (1, 2, 4, 8, 16, 32)
 
 
-def apply_custom_op(model: GPT, cfg: DictConfig) -> None:
-    """Routes the model's loss through the fused operator, with the knobs of `cfg`."""
+def check_custom_op(cfg: DictConfig) -> None:
+    """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
     if cfg.chunk_size < 0:
-        raise ValueError(
+        raise ConfigError(
             f"opt.custom_op.chunk_size={cfg.chunk_size}: tokens per chunk, >= 1 (0: all at once)"
         )
     if cfg.block < 16 or cfg.block & (cfg.block - 1):
-        raise ValueError(f"opt.custom_op.block={cfg.block}: a power of two >= 16")
+        raise ConfigError(f"opt.custom_op.block={cfg.block}: a power of two >= 16")
     if cfg.num_warps not in WARPS:
-        raise ValueError(f"opt.custom_op.num_warps={cfg.num_warps}: one of {WARPS}")
+        raise ConfigError(f"opt.custom_op.num_warps={cfg.num_warps}: one of {WARPS}")
+
+
+def apply_custom_op(model: GPT, cfg: DictConfig) -> None:
+    """Routes the model's loss through the fused operator, with the knobs of `cfg`."""
+    check_custom_op(cfg)
     model.fused_loss = functools.partial(
         linear_cross_entropy,
         vocab_size=model.config.vocab_size,

@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from recipe.distributed import Distributed, log
+from recipe.errors import ConfigError
 
 KNOBS = Path(__file__).resolve().parents[1] / "conf" / "opt" / "ddp.yaml"
 # Gradient compression for the all-reduce: the bucket is cast down, reduced, cast back.
@@ -43,14 +44,7 @@ def apply_ddp(
 ) -> DistributedDataParallel:
     """Wraps `model` in DDP with the knobs `cfg` (None: conf/opt/ddp.yaml's)."""
     cfg = default_knobs() if cfg is None else cfg
-    if cfg.comm_hook not in COMM_HOOKS:
-        raise ValueError(
-            f"opt.ddp.comm_hook={cfg.comm_hook!r}: choose one of {', '.join(COMM_HOOKS)}"
-        )
-    if cfg.optimize_ddp not in OPTIMIZE_DDP:
-        raise ValueError(
-            f"opt.ddp.optimize_ddp={cfg.optimize_ddp!r}: choose one of {', '.join(OPTIMIZE_DDP)}"
-        )
+    check_ddp(cfg)
     # Read when compile first traces the model inside DDP's forward, i.e. after this.
     torch._dynamo.config.optimize_ddp = cfg.optimize_ddp
     ddp = DistributedDataParallel(
@@ -69,6 +63,19 @@ def apply_ddp(
     return ddp
 
 
+def check_ddp(cfg: DictConfig) -> None:
+    """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
+    _batched_grad_copy(cfg.batched_grad_copy)
+    if cfg.comm_hook not in COMM_HOOKS:
+        raise ConfigError(
+            f"opt.ddp.comm_hook={cfg.comm_hook!r}: choose one of {', '.join(COMM_HOOKS)}"
+        )
+    if cfg.optimize_ddp not in OPTIMIZE_DDP:
+        raise ConfigError(
+            f"opt.ddp.optimize_ddp={cfg.optimize_ddp!r}: choose one of {', '.join(OPTIMIZE_DDP)}"
+        )
+
+
 def _buffer_sync(broadcast: bool) -> dict[str, Any]:
     """Whether buffers are re-broadcast from rank 0 before every forward. torch 2.13 renamed
     the argument (`forward_sync_buffers`; the old name warns, and skips the sync at
@@ -82,7 +89,7 @@ def _batched_grad_copy(enabled: bool) -> dict[str, Any]:
     if not enabled:
         return {}
     if "batched_grad_copy" not in _DDP_ARGS:
-        raise ValueError(
+        raise ConfigError(
             f"opt.ddp.batched_grad_copy=true needs torch >= 2.13 (this is {torch.__version__}): "
             "set it to false or upgrade torch"
         )

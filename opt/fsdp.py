@@ -24,18 +24,24 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from recipe.distributed import Distributed, log
+from recipe.errors import ConfigError
 
 MIXED_PRECISION = ("autocast", "pure")
+
+
+def check_fsdp(cfg: DictConfig) -> None:
+    """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
+    if cfg.mixed_precision not in MIXED_PRECISION:
+        raise ConfigError(
+            f"opt.fsdp.mixed_precision={cfg.mixed_precision!r}: choose one of "
+            f"{', '.join(MIXED_PRECISION)}"
+        )
 
 
 def pure_low_precision(cfg: DictConfig) -> bool:
     """Whether FSDP casts the parameters itself (`mixed_precision=pure`), so that autocast is
     off; with `autocast`, +opt=amp's autocast runs as without FSDP."""
-    if cfg.mixed_precision not in MIXED_PRECISION:
-        raise ValueError(
-            f"opt.fsdp.mixed_precision={cfg.mixed_precision!r}: choose one of "
-            f"{', '.join(MIXED_PRECISION)}"
-        )
+    check_fsdp(cfg)
     return cfg.mixed_precision == "pure"
 
 

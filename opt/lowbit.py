@@ -33,6 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 BITS = (8, 4)
 TAG = "lowbit_bits"  # marks a quantized moment saved as its parts; its value: 8 or 4
@@ -42,7 +43,7 @@ def apply_lowbit(cfg: DictConfig) -> type[torch.optim.Optimizer]:
     """The optimizer class for `cfg.bits`, built by the trainer like AdamW (same groups, learning
     rate, betas and weight decay)."""
     if cfg.bits not in BITS:
-        raise ValueError(f"opt.lowbit.bits={cfg.bits!r}: choose 8 or 4")
+        raise ConfigError(f"opt.lowbit.bits={cfg.bits!r}: choose 8 or 4")
     try:
         from torchao.optim import AdamW4bit, AdamW8bit
     except ImportError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 IMPLEMENTATIONS = ("forloop", "foreach", "fused")
 
@@ -22,7 +23,7 @@ def apply_optimizer_impl(name: str, device: torch.device) -> dict:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
         if device.type not in _get_fused_kernels_supported_devices():
-            raise ValueError(f"+opt=fused: PyTorch has no fused AdamW for {device.type!r}")
+            raise ConfigError(f"+opt=fused: PyTorch has no fused AdamW for {device.type!r}")
     kwargs = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
     log(f"[opt] {name}: AdamW({', '.join(f'{k}={v}' for k, v in kwargs[name].items())})")
     return kwargs[name]

@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from data import LoaderOptions
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 
 def available_cpus() -> int:
@@ -24,7 +25,7 @@ def apply_workers(options: LoaderOptions, cfg: DictConfig) -> LoaderOptions:
     """`num_workers` persistent workers, at most one per available CPU: more only take turns on
     the same cores (and the DataLoader warns about them each time it starts its workers)."""
     if cfg.num_workers < 1:
-        raise ValueError(f"opt.workers.num_workers must be >= 1, got {cfg.num_workers}")
+        raise ConfigError(f"opt.workers.num_workers must be >= 1, got {cfg.num_workers}")
     workers = min(cfg.num_workers, available_cpus())
     capped = (
         f" (opt.workers.num_workers={cfg.num_workers} capped to the {workers} CPUs this process "

@@ -70,6 +70,7 @@ from torch.distributed.tensor import DTensor
 
 from data import integrity
 from recipe.distributed import Distributed, log
+from recipe.errors import ConfigError, MissingFile, Unusable
 
 FILENAME = "checkpoint.pt"
 SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256.json) and LATEST
@@ -139,7 +140,7 @@ def write_atomically(path: Path, state: Any, *, checksum: bool = False) -> None:
             os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         free = shutil.disk_usage(path.parent).free / 1e9
-        raise RuntimeError(
+        raise Unusable(
             f"could not write {path} ({e}); {free:.1f} GB free on its disk. The previous "
             "checkpoint is unchanged; free some space or point hydra.run.dir elsewhere."
         ) from e
@@ -205,8 +206,8 @@ def _listed(sums: Path) -> dict[str, list[dict[str, Any]]]:
     return listed
 
 
-def _damaged(path: Path, why: str) -> RuntimeError:
-    return RuntimeError(
+def _damaged(path: Path, why: str) -> Unusable:
+    return Unusable(
         f"{path} is damaged ({why}): the checkpoint cannot be used; copy the run folder again "
         "if it came from elsewhere, else resume from a backup or start a new run folder"
     )
@@ -265,7 +266,7 @@ def read_metadata(path: Path) -> Metadata:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except _ForeignClass as e:
-        raise RuntimeError(
+        raise Unusable(
             f"{path} is not a checkpoint this recipe wrote (it would load the class {e}): "
             "refusing to read it"
         ) from None
@@ -275,10 +276,10 @@ def read_metadata(path: Path) -> Metadata:
         raise _damaged(path, f"it cannot be unpickled: {e!r}") from None
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(metadata, Metadata) or not isinstance(storage, dict):
-        raise RuntimeError(f"{path} holds no DCP metadata: refusing to read it")
+        raise Unusable(f"{path} holds no DCP metadata: refusing to read it")
     for info in storage.values():  # shards are files beside it, not paths elsewhere
         if not isinstance(info, _StorageInfo) or not _plain_name(info.relative_path):
-            raise RuntimeError(
+            raise Unusable(
                 f"{path} points outside its folder ({getattr(info, 'relative_path', info)!r}): "
                 "refusing to read it"
             )
@@ -305,7 +306,7 @@ class _PlainValues:
             torch.load(value, weights_only=True)  # raises on anything but plain data
         except pickle.UnpicklingError as e:
             first = str(e).strip().splitlines()[-1]
-            raise RuntimeError(
+            raise Unusable(
                 f"its value {read_item.dest_index.fqn} is not plain data ({first}): refusing "
                 "to read it"
             ) from None
@@ -333,7 +334,7 @@ def _dcp_load(states: dict[str, Any], folder: Path, *, whole: bool = False, **kw
     except CheckpointException as e:  # a BaseException, wrapping each rank's failure
         failure = next(iter(e.failures.values()), None)
         cause = failure[0] if isinstance(failure, tuple) else e
-        raise RuntimeError(f"cannot read the checkpoint in {folder}: {cause}") from None
+        raise Unusable(f"cannot read the checkpoint in {folder}: {cause}") from None
 
 
 def _tied(model: torch.nn.Module) -> dict[str, str]:
@@ -702,14 +703,14 @@ def read(run_dir: Path, *, verify: bool = False, which: str | int = "latest") ->
     if latest.exists():
         found.append(_read_sharded(run_dir, verify))
     if not found:
-        raise FileNotFoundError(
+        raise MissingFile(
             f"there is no checkpoint at {path}: point at the folder of a run that saved one "
             "(train.checkpoint_interval > 0, or a run that reached its end or was stopped)"
         )
     if len(found) == 2 and found[0]["step"] != found[1]["step"]:
         steps = {path: found[0]["step"], run_dir / SHARDED: found[1]["step"]}
         older = min(steps, key=steps.__getitem__)
-        raise RuntimeError(
+        raise Unusable(
             f"{run_dir} holds two checkpoints, {FILENAME} at step {found[0]['step']} and "
             f"{SHARDED}/ at step {found[1]['step']}: remove the stale one (the older is "
             f"{older}) and run again"
@@ -767,7 +768,7 @@ def _latest_folder(root: Path) -> Path:
     name = (root / "LATEST").read_text().strip()
     folder = root / name
     if not STEP_FOLDER.fullmatch(name) or folder.is_symlink():
-        raise RuntimeError(
+        raise Unusable(
             f"{root / 'LATEST'} names {name!r}, not a step-<N> folder in {root}: refusing to "
             "follow it (a checkpoint this recipe wrote names its own step folder)"
         )
@@ -821,13 +822,13 @@ def check_shape(state: dict[str, Any], config: Any) -> None:
     checks that the checkpoint records its shape), naming the first setting that differs."""
     saved = state.get("model_config")
     if saved is None:
-        raise ValueError(
+        raise ConfigError(
             "this checkpoint was written by an older version of the recipe (it has no "
             "model_config): start a new run"
         )
     for key, value in (dataclasses.asdict(config) if config else {}).items():
         if key in saved and saved[key] != value and key != "dropout":
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint's model has {key}={saved[key]!r}, this run's has {value!r}: "
                 f"set model.{key}={saved[key]!r} (or start a new run folder)"
             )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 import data
 from recipe import rundir
 from recipe.distributed import DEVICES, log
+from recipe.errors import ConfigError, MissingFile, unknown_key
 
 CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -129,32 +131,82 @@ def check_numbers(cfg: DictConfig, rules: dict[str, Number]) -> None:
     for key, rule in rules.items():
         value = OmegaConf.select(cfg, key)
         if not rule.accepts(value):
-            raise ValueError(f"{key} must be {rule.describe()}, got {value!r}")
+            raise ConfigError(f"{key} must be {rule.describe()}, got {value!r}")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Refuses the first bad setting, naming the key, what it must be and what it is."""
+# Dicts whose keys are free: `+data.hub.name=sample-10BT` adds a keyword of `load_dataset`.
+FREE_FORM = ("data.hub.",)
+
+
+def leaf_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """Every setting of `cfg` as a dotted key (`train.max_steps`)."""
+    keys = []
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        keys += leaf_keys(value, name + ".") if isinstance(value, DictConfig) else [name]
+    return keys
+
+
+def check_added_keys(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """Refuses a key that the command line adds with `+key=value` (Hydra accepts it, and nothing
+    would read it): a misspelt setting, or a knob of a stage that is not selected."""
+    for override in overrides:
+        name = override.split("=", 1)[0]
+        key = name.removeprefix("+")
+        if not name.startswith("+") or key.startswith("+") or key.startswith(FREE_FORM):
+            continue  # a plain or `++` override; a free-form dict's key
+        if _is_group(key):
+            continue  # a group's option: +opt=ac, +prof=trace
+        known = [k for k in leaf_keys(cfg) if k != key and not k.startswith(key + ".")]
+        raise ConfigError(f"{override}: {unknown_key(key, known)}")
+
+
+def take_drops(argv: list[str]) -> list[str]:
+    """Takes `~opt=<stage>` out of `argv` (changed in place) and returns it: on a resume it drops
+    a stage of the saved command line (`merge_overrides`), which Hydra, composing this command
+    line alone first, would look for here and not find."""
+    drops = [a for a in argv[1:] if a.startswith("~") and "=" in a and _is_group(a[1:])]
+    for drop in drops:
+        argv.remove(drop)
+    return drops
+
+
+def _is_group(override: str) -> bool:
+    """Whether `override` selects options of a config group: `opt=ac`, `+opt=[ac,amp]`."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    return "." not in key and (CONF_DIR / key).is_dir()
+
+
+def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
+    """Refuses the first bad setting, naming the key, what it must be and what it is; and any
+    key that `overrides` (the command line) adds that the recipe does not have."""
+    for drop in [o for o in overrides if o.startswith("~") and _is_group(o)]:
+        raise ConfigError(
+            f"{drop} drops a stage of the run being resumed: add train.resume=true (for a new "
+            f"run, leave out +{drop[1:]})"
+        )
+    check_added_keys(cfg, overrides)
     check_numbers(cfg, NUMBERS)
     for key, options in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in options or type(value) is not type(options[0]):
-            raise ValueError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
     data.check_config(cfg.data)
     if cfg.model.vocab_size < data.VOCAB_SIZE and cfg.data.source != "synthetic":
-        raise ValueError(
+        raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than GPT-2's {data.VOCAB_SIZE} "
             f"tokens, which data.source={cfg.data.source} produces: keep it at {data.VOCAB_SIZE}"
         )
     if cfg.data.source == "synthetic" and cfg.data.vocab_size > cfg.model.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"data.vocab_size={cfg.data.vocab_size} exceeds model.vocab_size="
             f"{cfg.model.vocab_size}: random tokens must be ids the model can predict"
         )
     train = cfg.train
     if train.min_lr > train.lr:
-        raise ValueError(f"train.min_lr={train.min_lr} exceeds train.lr={train.lr}")
+        raise ConfigError(f"train.min_lr={train.min_lr} exceeds train.lr={train.lr}")
     if cfg.model.n_embd % cfg.model.n_head:
-        raise ValueError(
+        raise ConfigError(
             f"model.n_embd={cfg.model.n_embd} must be divisible by model.n_head={cfg.model.n_head}"
         )
 
@@ -199,7 +251,7 @@ def for_resume(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[st
     command line (which the run folder then records)."""
     path = run_dir / OVERRIDES_FILE
     if not path.exists():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"train.resume=true, but {run_dir} holds no run to continue (no {OVERRIDES_FILE}): "
             "point hydra.run.dir at the folder of the run, or drop train.resume to start afresh"
         )
@@ -210,14 +262,46 @@ def for_resume(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[st
 
 def merge_overrides(saved: list[str], new: list[str]) -> list[str]:
     """The saved command line with the new one on top: a key given again replaces its old value;
-    `train.resume` itself is not kept."""
+    `~opt=<stage>` (or `~opt=[a,b]`) drops stages the saved run selected, with their knobs (e.g.
+    an FSDP run resumed in one process: '~opt=fsdp'); `train.resume` itself is not kept."""
 
     def key(override: str) -> str:
         return override.split("=", 1)[0].lstrip("+~")
 
+    new = list(new)
+    for drop in [o for o in new if o.startswith("~") and "=" in o and _is_group(o)]:
+        saved = _without_options(saved, key(drop), _options(drop))
+        new.remove(drop)
     new = [o for o in new if key(o) != "train.resume"]
     replaced = {key(o) for o in new}
     return [o for o in saved if key(o) not in replaced] + new
+
+
+def _options(override: str) -> list[str]:
+    """The options a group override names: `+opt=ac` or `+opt=[ac,amp]`."""
+    value = override.split("=", 1)[1].strip()
+    return [o.strip() for o in value.strip("[]").split(",") if o.strip()]
+
+
+def _without_options(saved: list[str], group: str, dropped: list[str]) -> list[str]:
+    """`saved` without the options `dropped` of `group` and their knobs (`opt.fsdp.*`)."""
+    selected = [o for s in saved if s.startswith(f"+{group}=") for o in _options(s)]
+    missing = [o for o in dropped if o not in selected]
+    if missing:
+        raise ConfigError(
+            f"~{group}={','.join(missing)}: the saved run did not select it (its {group}: "
+            f"{', '.join(selected) or 'none'}); drop only what it selected"
+        )
+    kept = []
+    for override in saved:
+        if override.startswith(f"+{group}="):
+            rest = [o for o in _options(override) if o not in dropped]
+            override = f"+{group}=[{','.join(rest)}]" if rest else ""
+        elif any(override.lstrip("+~").startswith(f"{group}.{o}.") for o in dropped):
+            override = ""  # a knob of a dropped option
+        if override:
+            kept.append(override)
+    return kept
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
@@ -247,7 +331,7 @@ def check_resume(saved: dict, cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
         hits = [k for k in changes if k == key or k.startswith(key + ".")]
         if hits:
             old, new = changes[hits[0]]
-            raise ValueError(
+            raise ConfigError(
                 f"train.resume: {hits[0]} was {old!r} in the saved run and is {new!r} now; a "
                 "resumed run cannot change it (start a new run folder instead)"
             )

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recipe.errors import ConfigError, Unusable
+
 DEVICES = ("auto", "cpu", "cuda")
 # The CPU group's collectives wait this long. It carries host-side waits, such as the other
 # ranks waiting for a corpus to be prepared, which can take hours; when a process dies, torchrun
@@ -29,13 +31,13 @@ def log(message: str) -> None:
 def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
     """`auto` picks this process's GPU when there is one, else the CPU."""
     if choice not in DEVICES:
-        raise ValueError(f"device={choice!r}: choose one of {', '.join(DEVICES)}")
+        raise ConfigError(f"device={choice!r}: choose one of {', '.join(DEVICES)}")
     has_cuda = torch.cuda.is_available()
     if choice == "cuda" and not has_cuda:
         built = (
             f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         )
-        raise RuntimeError(
+        raise Unusable(
             f"device=cuda, but no CUDA GPU is visible (torch {torch.__version__} is {built}). "
             "Use device=auto or device=cpu, or check CUDA_VISIBLE_DEVICES and the driver."
         )
@@ -179,7 +181,7 @@ def torchrun(
     if nnodes == 1:
         return [*command, "--standalone"]
     if not rdzv_endpoint:
-        raise ValueError(f"{nnodes} nodes need a rendezvous endpoint (host:port of the first)")
+        raise ConfigError(f"{nnodes} nodes need a rendezvous endpoint (host:port of the first)")
     return [
         *command,
         f"--nnodes={nnodes}",

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as torch_dist
 
 from recipe.distributed import Distributed
+from recipe.errors import Reported
 
 
-class NonFiniteSteps(RuntimeError):
-    """Too many consecutive non-finite steps: the run cannot go on."""
+class NonFiniteSteps(Reported, RuntimeError):
+    """Too many consecutive non-finite steps: the run cannot go on (its line, exit status 1)."""
 
 
 class NonFiniteGuard:

@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 
 from data.tokenizer import gpt2_encoding
 from recipe.distributed import Distributed
+from recipe.errors import ConfigError, MissingFile, Unusable
 from recipe.rundir import write_atomically
 
 HUB_PATH = "Rowan/hellaswag"  # the dataset lm-evaluation-harness reads, split "validation"
@@ -54,10 +55,10 @@ def load_items(
         return read_jsonl(cached_hub_file(cache_dir, key))[:limit]
     path = Path(str(task_file)).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"{key}={task_file}: no such file; give a HellaSwag jsonl")
+        raise MissingFile(f"{key}={task_file}: no such file; give a HellaSwag jsonl")
     items = read_jsonl(path)
     if not items:
-        raise ValueError(f"{key}={task_file}: no items in it; give a HellaSwag jsonl")
+        raise ConfigError(f"{key}={task_file}: no items in it; give a HellaSwag jsonl")
     return items[:limit]
 
 
@@ -72,7 +73,7 @@ def cached_hub_file(cache_dir: str, key: str = "task_file") -> Path:
 
         rows = datasets.load_dataset(HUB_PATH, split="validation")
     except Exception as e:  # datasets raises many types for "offline"/"not found"
-        raise RuntimeError(
+        raise Unusable(
             f"could not load {HUB_PATH} from the Hugging Face hub ({type(e).__name__}): pass "
             f"{key}=<HellaSwag's validation jsonl, e.g. hellaswag_val.jsonl of rowanz/hellaswag>"
         ) from e
@@ -96,22 +97,22 @@ def checked(line: str, where: str) -> dict:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON ({e}); give one HellaSwag item per line") from e
+        raise ConfigError(f"{where}: not JSON ({e}); give one HellaSwag item per line") from e
     missing = [k for k in FIELDS if k not in item]
     if missing:
-        raise ValueError(f"{where}: no {', '.join(missing)}; give HellaSwag's fields {FIELDS}")
+        raise ConfigError(f"{where}: no {', '.join(missing)}; give HellaSwag's fields {FIELDS}")
     endings, label = item["endings"], str(item["label"])
     if not (isinstance(endings, list) and len(endings) == 4):
-        raise ValueError(f"{where}: endings must be a list of 4 texts, got {endings!r}")
+        raise ConfigError(f"{where}: endings must be a list of 4 texts, got {endings!r}")
     if label not in ("0", "1", "2", "3"):
-        raise ValueError(f"{where}: label must be 0, 1, 2 or 3, got {item['label']!r}")
+        raise ConfigError(f"{where}: label must be 0, 1, 2 or 3, got {item['label']!r}")
     return {**item, "label": int(label)}
 
 
 def for_training(train: DictConfig, cache_dir: str) -> list[dict] | None:
     """The items `train.hellaswag=true` scores at every evaluation (None when it is off)."""
     if train.get("hellaswag") not in (True, False, None):
-        raise ValueError(f"train.hellaswag must be true or false, got {train.hellaswag!r}")
+        raise ConfigError(f"train.hellaswag must be true or false, got {train.hellaswag!r}")
     if not train.get("hellaswag"):
         return None
     return load_items(

@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 
 class Profiler:
@@ -46,7 +47,7 @@ class Profiler:
             self.trace.start()
         if "memory" in prof:
             if device.type != "cuda":
-                raise ValueError("+prof=memory records CUDA allocations: it needs device=cuda")
+                raise ConfigError("+prof=memory records CUDA allocations: it needs device=cuda")
             self.memory = prof.memory
             torch.cuda.memory._record_memory_history(max_entries=prof.memory.max_entries)
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from recipe.checkpoint import BEST, FILENAME, HISTORY, SHARDED
 from recipe.distributed import launcher
+from recipe.errors import FileRefused, MissingFile, Unusable
 
 METRICS, SUMMARY, LOCK = "metrics.jsonl", "summary.json", ".lock"
 # Every file the trainer writes in a run folder (config.yaml and overrides.yaml: recipe/config.py's
@@ -148,7 +149,7 @@ class RunFolder:
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError(
+            raise Unusable(
                 f"another run is using {path} right now: give this one its own hydra.run.dir"
             ) from None
         _held.add(path.resolve())
@@ -156,18 +157,18 @@ class RunFolder:
         existing = run_files(path)
         if existing and not resume:
             if not _has_checkpoint(path):
-                raise FileExistsError(
+                raise FileRefused(
                     f"{path} holds a run that saved no checkpoint ({', '.join(existing)}), so "
                     "it cannot be continued: move or delete that folder to start again in it, "
                     "or pick another hydra.run.dir"
                 )
-            raise FileExistsError(
+            raise FileRefused(
                 f"{path} already holds a run ({', '.join(existing)}): continue it with "
                 f"`{resume_command(path)}`, or pick another hydra.run.dir (the default is a new "
                 "folder per launch)"
             )
         if resume and not _has_checkpoint(path):
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"train.resume=true, but {path} holds no checkpoint: its run stopped before "
                 "saving one, so there is nothing to continue; "
                 + ("move or delete that folder to start again in it" if existing
@@ -198,9 +199,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             if number == len(lines) and line.lstrip().startswith(b"{"):
                 break  # torn by a kill while it was written
-            raise ValueError(_bad_line(path, number, f"not JSON text ({e})")) from None
+            raise Unusable(_bad_line(path, number, f"not JSON text ({e})")) from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise ValueError(_bad_line(path, number, f"not a row with a step ({line[:40]!r})"))
+            raise Unusable(_bad_line(path, number, f"not a row with a step ({line[:40]!r})"))
         rows.append(row)
     return rows
 
@@ -219,10 +220,8 @@ def _open_lock(path: Path) -> Any:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     except OSError as e:
         if path.is_symlink():
-            raise RuntimeError(_link_message(path)) from None
-        raise RuntimeError(
-            f"cannot open {path} ({e}): give the run a writable hydra.run.dir"
-        ) from e
+            raise Unusable(_link_message(path)) from None
+        raise Unusable(f"cannot open {path} ({e}): give the run a writable hydra.run.dir") from e
     return os.fdopen(fd, "w")
 
 
@@ -230,7 +229,7 @@ def _refuse_links(folder: Path) -> None:
     """Refuses a run folder where one of the trainer's files is a symbolic link."""
     for name in OWN_FILES:
         if (folder / name).is_symlink():
-            raise RuntimeError(_link_message(folder / name))
+            raise Unusable(_link_message(folder / name))
 
 
 def _link_message(path: Path) -> str:

@@ -1,13 +1,11 @@
 """What the after-training tools share (sample.py, scripts/evaluate.py, scripts/export_hf.py):
 the model they read, from a run folder or from Hugging Face weights; the device and precision
-they run in; and bad input reported in one line instead of a traceback."""
+they run in. Bad input raises recipe/errors.py's classes: one line, not a traceback."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ from model import GPT
 from opt.amp import DTYPES as AMP_DTYPES
 from opt.amp import warn_if_float16_on_cpu
 from recipe import checkpoint
+from recipe.errors import ConfigError, FileRefused, MissingFile
 
 DTYPES = {"float32": torch.float32, **AMP_DTYPES}
 
@@ -26,7 +25,7 @@ def run_dir(run: str | None) -> Path:
     """`run=`: the folder of a training run."""
     path = Path(str(run)).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"run={run}: no such folder; give the folder of a training run (its hydra.run.dir, "
             "by default outputs/<date>/<time>-<pid>)"
         )
@@ -40,13 +39,13 @@ def output_file(out: str | None) -> Path | None:
         return None
     path = Path(str(out)).expanduser()
     if path.is_dir():
-        raise IsADirectoryError(f"out={out} is a folder: give the path of a file to write")
+        raise FileRefused(f"out={out} is a folder: give the path of a file to write")
     if not path.parent.is_dir():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"out={out}: there is no folder {path.parent}: create it, or give another path"
         )
     if not os.access(path if path.exists() else path.parent, os.W_OK):
-        raise PermissionError(f"out={out}: not writable by this user: give another path")
+        raise FileRefused(f"out={out}: not writable by this user: give another path")
     return path
 
 
@@ -55,7 +54,7 @@ def load_model(cfg: DictConfig, device: torch.device) -> tuple[GPT, dict[str, An
     and the run's saved config (None for Hugging Face weights)."""
     run, pretrained = cfg.get("run"), cfg.model.get("pretrained")
     if (run is None) == (pretrained is None):
-        raise ValueError(
+        raise ConfigError(
             f"run={run} and model.pretrained={pretrained} both name a model: give one"
             if run is not None
             else "which model? Give run=<a training run's folder> or model.pretrained=<a "
@@ -80,7 +79,7 @@ def dtype(choice: str, device: torch.device) -> torch.dtype:
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16 else torch.float32
     if choice not in DTYPES:
-        raise ValueError(f"dtype={choice!r}: choose auto, {', '.join(DTYPES)}")
+        raise ConfigError(f"dtype={choice!r}: choose auto, {', '.join(DTYPES)}")
     warn_if_float16_on_cpu(DTYPES[choice], device, "dtype")
     return DTYPES[choice]
 
@@ -90,12 +89,3 @@ def autocast(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractCon
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
-
-
-def one_line_errors(name: str, task: Callable[[Any], Any], cfg: Any) -> Any:
-    """Runs `task(cfg)`; a bad setting, a missing file or an unreadable model ends the program
-    with one line naming it (exit status 1), not a traceback."""
-    try:
-        return task(cfg)
-    except (ValueError, RuntimeError, OSError) as e:
-        sys.exit(f"{name}: {e}")

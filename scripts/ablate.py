@@ -80,6 +80,7 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+import recipe.errors  # noqa: E402
 from recipe.distributed import descendants, torchrun  # noqa: E402
 from recipe.provenance import device_name, environment, git_commit  # noqa: E402
 
@@ -294,7 +295,8 @@ def summary_value(summary: dict, column: str, key: str) -> Any:
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-RAISED = re.compile(r"^[\w.]*(Error|Exception)\b|CUDA out of memory")
+# An exception's last traceback line, or a one-line error (recipe/errors.py: `<program>: error:`).
+RAISED = re.compile(r"^[\w.]*(Error|Exception)\b|^[\w.]+: error: |CUDA out of memory")
 # Hydra's own errors (an unknown config, a bad override) name no exception: its message is the
 # block from "Could not ..." up to the search path or its HYDRA_FULL_ERROR hint.
 HYDRA_CAUSE = re.compile(r"^(In '[^']*': )?Could not ")
@@ -374,19 +376,25 @@ def selection(cfg: DictConfig, plans: list[dict]) -> tuple[list[dict], dict | No
     ladder, names = cfg.ladder, [p["name"] for p in plans]
     where = f"ladder {ladder.name} (conf/ablate/ladder/{ladder.name}.yaml)"
     if repeated(names):
-        raise SystemExit(f"ablate.py: {where} names {repeated(names)} more than once; rename them")
+        raise recipe.errors.ConfigError(
+            f"{where} names {repeated(names)} more than once; rename them"
+        )
     wanted = list(cfg.steps) if cfg.steps else names
     if repeated(wanted):
-        raise SystemExit(f"ablate.py: steps={wanted} names {repeated(wanted)} more than once")
+        raise recipe.errors.ConfigError(f"steps={wanted} names {repeated(wanted)} more than once")
     unknown = sorted(set(wanted) - set(names))
     if unknown:
-        raise SystemExit(f"ablate.py: steps {unknown} are not in {where}: {names}")
+        raise recipe.errors.ConfigError(f"steps {unknown} are not in {where}: {names}")
     chosen = [p for p in plans if p["name"] in wanted]
     if cfg.get("anchor"):
         if cfg.anchor not in names:
-            raise SystemExit(f"ablate.py: anchor={cfg.anchor} is not a step of {where}: {names}")
+            raise recipe.errors.ConfigError(
+                f"anchor={cfg.anchor} is not a step of {where}: {names}"
+            )
         if cfg.anchor in wanted:
-            raise SystemExit(f"ablate.py: anchor={cfg.anchor} is one of steps={wanted}; drop it")
+            raise recipe.errors.ConfigError(
+                f"anchor={cfg.anchor} is one of steps={wanted}; drop it"
+            )
         return chosen, plans[names.index(cfg.anchor)]
     first = chosen[0]["index"]
     if ladder.cumulative:
@@ -407,7 +415,9 @@ def repeat_count(cfg: DictConfig, ladder: DictConfig) -> int:
     for value in (cfg.get("repeats"), ladder.get("repeats")):
         if value is not None:
             if not isinstance(value, int) or value < 1:
-                raise SystemExit(f"ablate.py: repeats={value}: give a whole number of runs, >= 1")
+                raise recipe.errors.ConfigError(
+                    f"repeats={value}: give a whole number of runs, >= 1"
+                )
             return value
     return 3 if torch.cuda.is_available() else 1
 
@@ -893,4 +903,4 @@ def main(argv: list[str]) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    recipe.errors.main(lambda: main(sys.argv[1:]))  # bad input in one line (recipe/errors.py)

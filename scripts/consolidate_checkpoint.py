@@ -14,13 +14,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 
-from recipe import checkpoint, tools  # noqa: E402
+from recipe import checkpoint, errors  # noqa: E402
 
 
 def consolidate(run_dir: Path, verify: bool = False) -> Path:
     state = checkpoint.read(run_dir, verify=verify)
     if "sharded" not in state:
-        raise SystemExit(
+        raise errors.ConfigError(
             f"{run_dir}'s latest checkpoint is already one file: {checkpoint.FILENAME}"
         )
     weights = checkpoint.unsharded(state)  # {"model": ..., "optimizer": ...}, unsharded
@@ -38,11 +38,9 @@ def main() -> None:
         "otherwise checked by sampled blocks)",
     )  # fmt: skip
     args = parser.parse_args()
-    path = tools.one_line_errors(
-        "consolidate_checkpoint.py", lambda a: consolidate(a.run_dir, a.verify), args
-    )
+    path = consolidate(args.run_dir, args.verify)
     print(f"[consolidate] wrote {path}")
 
 
 if __name__ == "__main__":
-    main()
+    errors.main(main)  # bad input in one line, exit 2 (recipe/errors.py)

@@ -27,13 +27,12 @@ from typing import Any, cast
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 
-import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 import data  # noqa: E402
 import opt  # noqa: E402
 from model import GPT  # noqa: E402
-from recipe import config, distributed, hellaswag, tools  # noqa: E402
+from recipe import config, distributed, errors, hellaswag, tools  # noqa: E402
 from train import build_loaders, evaluate  # noqa: E402
 
 config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
@@ -45,9 +44,9 @@ OPTIMIZER_ONLY = ("lowbit",)
 TASKS = ("val_loss", "hellaswag")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
+@errors.app(config_name="evaluate", config_path="../conf")  # @hydra.main, its errors in one line
 def main(cfg: DictConfig) -> None:
-    tools.one_line_errors("evaluate.py", evaluate_model, cfg)
+    evaluate_model(cfg)
 
 
 def run_config(cfg: DictConfig, saved: dict[str, Any] | None, model: GPT) -> DictConfig:
@@ -63,7 +62,7 @@ def run_config(cfg: DictConfig, saved: dict[str, Any] | None, model: GPT) -> Dic
         run_cfg.train.eval_sequences = cfg.eval_sequences
     if cfg.block_size is not None:
         if cfg.block_size > model.config.block_size:
-            raise ValueError(
+            raise errors.ConfigError(
                 f"block_size={cfg.block_size} exceeds the model's {model.config.block_size} "
                 f"positions: use block_size<={model.config.block_size}"
             )
@@ -80,9 +79,11 @@ def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
     counts = ("eval_sequences", "block_size", "limit")
     config.check_numbers(cfg, {key: config.count(1, nullable=True) for key in counts})
     if cfg.task not in TASKS:
-        raise ValueError(f"task={cfg.task!r}: choose one of {', '.join(TASKS)}")
+        raise errors.ConfigError(f"task={cfg.task!r}: choose one of {', '.join(TASKS)}")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise ValueError("evaluate.py runs as one process: start it with python, not torchrun")
+        raise errors.ConfigError(
+            "evaluate.py runs as one process: start it with python, not torchrun"
+        )
     out = tools.output_file(cfg.out)  # checked before the evaluation
     model, saved = tools.load_model(cfg, distributed.resolve_device(cfg.device))
     run_cfg = run_config(cfg, saved, model)

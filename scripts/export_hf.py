@@ -22,23 +22,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 
-import hydra  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from data.tokenizer import VOCAB_SIZE, gpt2_encoding, verify_vocab, vocab_dir  # noqa: E402
 from model import GPT  # noqa: E402
 from model.gpt import HF_TRANSPOSED  # noqa: E402
-from recipe import checkpoint, config, rundir, tools  # noqa: E402
+from recipe import checkpoint, config, errors, rundir, tools  # noqa: E402
 
 config.register_resolvers()  # --help: conf/export_hf.yaml with its comments
 
 TOLERANCE = 1e-4  # the largest logit difference the check accepts
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="export_hf")
+@errors.app(config_name="export_hf", config_path="../conf")  # @hydra.main, its errors in one line
 def main(cfg: DictConfig) -> None:
-    tools.one_line_errors("export_hf.py", export_run, cfg)
+    export_run(cfg)
 
 
 MARK = "gpt2_recipe_export.json"  # written into every export: an earlier one may be replaced
@@ -48,13 +47,13 @@ def output_folder(out: str | None, force: bool) -> Path:
     """`out=`, checked before any work: a new or empty folder, or an earlier export of ours (it
     holds MARK); another folder's files are replaced only with `force=true`."""
     if out is None:
-        raise ValueError("out=<folder> is missing: where to write the Hugging Face folder")
+        raise errors.ConfigError("out=<folder> is missing: where to write the Hugging Face folder")
     path = Path(str(out)).expanduser()
     if path.exists() and not path.is_dir():
-        raise FileExistsError(f"out={path} is a file: give a new or empty folder")
+        raise errors.FileRefused(f"out={path} is a file: give a new or empty folder")
     foreign = path.is_dir() and any(path.iterdir()) and not (path / MARK).is_file()
     if foreign and not force:
-        raise FileExistsError(
+        raise errors.FileRefused(
             f"out={path} holds files that are not an export of this recipe (it has no {MARK}): "
             "give a new or empty folder, or add force=true to overwrite them"
         )
@@ -68,7 +67,7 @@ def to_transformers(model: GPT):  # -> transformers.GPT2LMHeadModel (imported la
 
     c = model.config
     if c.vocab_size != VOCAB_SIZE:
-        raise ValueError(
+        raise errors.ConfigError(
             f"the model predicts {c.vocab_size} tokens, not GPT-2's {VOCAB_SIZE}: the export "
             "carries GPT-2's tokenizer, which would not fit (train with model.vocab_size=50257)"
         )
@@ -134,7 +133,7 @@ def export_run(cfg: DictConfig) -> Path:
 
     transformers_logging.disable_progress_bar()  # one line per export, no bars
     if cfg.run is None:
-        raise ValueError("run=<folder> is missing: the training run to export")
+        raise errors.ConfigError("run=<folder> is missing: the training run to export")
     out = output_folder(cfg.out, cfg.force)
     run_dir = tools.run_dir(cfg.run)
     model, _ = checkpoint.load_model(run_dir, "cpu", verify=cfg.verify, which=cfg.checkpoint)

@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from data import prepare, verify  # noqa: E402
+from recipe import errors  # noqa: E402
 
 
 def main(overrides: list[str], check: bool = False) -> Path | None:
@@ -39,7 +40,4 @@ if __name__ == "__main__":
     parser.add_argument("overrides", nargs="*", help="the trainer's overrides, e.g. data=text")
     parser.add_argument("--verify", action="store_true", help="hash every prepared file whole")
     args = parser.parse_args()
-    try:
-        main(args.overrides, check=args.verify)
-    except (ValueError, RuntimeError, OSError) as e:  # a bad setting, input or file: one line
-        sys.exit(f"prepare_data.py: {e}")
+    errors.main(lambda: main(args.overrides, check=args.verify))  # bad input in one line

@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import ROOT
+from recipe.errors import ConfigError
 
 spec = importlib.util.spec_from_file_location("ablate", ROOT / "scripts/ablate.py")
 ablate = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
@@ -122,7 +123,7 @@ def test_repeats_come_from_the_command_line_the_ladder_or_the_device(monkeypatch
     assert ablate.repeat_count(OmegaConf.create({"repeats": None}), ladder) == 3
     monkeypatch.setattr(ablate.torch.cuda, "is_available", lambda: False)
     assert ablate.repeat_count(OmegaConf.create({"repeats": None}), ladder) == 1
-    with pytest.raises(SystemExit, match="repeats=0: give a whole number"):
+    with pytest.raises(ConfigError, match="repeats=0: give a whole number"):
         ablate.repeat_count(OmegaConf.create({"repeats": 0}), ladder)
 
 
@@ -168,9 +169,9 @@ def test_an_explicit_anchor_and_its_mistakes(monkeypatch, tmp_path) -> None:
     # A fresh folder has no row of the anchor's step: its measurement is that row.
     assert [r["name"] for r in rows] == ["baseline", "ac"] and rows[1]["ratio"] == 1.5
     assert result["report_errors"] == [] and result["segments"][0]["anchor"]["name"] == "baseline"
-    with pytest.raises(SystemExit, match="anchor=ac is one of steps"):
+    with pytest.raises(ConfigError, match="anchor=ac is one of steps"):
         _ablate(monkeypatch, tmp_path, fake, "steps=[ac]", "anchor=ac")
-    with pytest.raises(SystemExit, match="anchor=nope is not a step of ladder quick"):
+    with pytest.raises(ConfigError, match="anchor=nope is not a step of ladder quick"):
         _ablate(monkeypatch, tmp_path, fake, "steps=[ac]", "anchor=nope")
     fake.order.clear()
     _ablate(monkeypatch, tmp_path, fake, "steps=[baseline,bs]")  # from the start: no anchor
@@ -188,7 +189,7 @@ def test_repeated_step_names_are_refused_before_anything_runs(
     monkeypatch, tmp_path, args, message
 ) -> None:
     fake = FakeRuns()
-    with pytest.raises(SystemExit, match=message) as refused:
+    with pytest.raises(ConfigError, match=message) as refused:
         _ablate(monkeypatch, tmp_path, fake, *args)
     assert fake.order == [] and "\n" not in str(refused.value)
 

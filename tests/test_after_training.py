@@ -130,11 +130,11 @@ def test_sample_cli_reports_bad_input_in_one_line(tmp_path) -> None:
         [python(), "sample.py", f"run={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
-    assert done.returncode == 1 and not done.stdout
+    assert done.returncode == 2 and not done.stdout
     assert done.stderr.splitlines() == [
-        f"sample.py: there is no checkpoint at {tmp_path}/checkpoint.pt: point at the folder of "
-        "a run that saved one (train.checkpoint_interval > 0, or a run that reached its end or "
-        "was stopped)"
+        f"sample.py: error: there is no checkpoint at {tmp_path}/checkpoint.pt: point at the "
+        "folder of a run that saved one (train.checkpoint_interval > 0, or a run that reached its "
+        "end or was stopped)"
     ]
 
 
@@ -173,7 +173,7 @@ def test_evaluate_hugging_face_weights_on_their_positions(hf_dir) -> None:
 
 
 def test_evaluate_refuses_a_window_longer_than_the_model(run) -> None:
-    with pytest.raises(SystemExit, match=r"^evaluate.py: block_size=64 exceeds the model's 32"):
+    with pytest.raises(SystemExit, match=r"^evaluate.py: error: block_size=64 exceeds the model"):
         evaluate_app.main.__wrapped__(tool_cfg("evaluate", f"run={run}", "block_size=64"))
 
 
@@ -220,7 +220,7 @@ def test_training_from_an_export_starts_where_the_run_ended(run, tmp_path) -> No
 
 def test_export_refuses_a_folder_with_other_files_and_a_foreign_vocabulary(run, tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit, match=r"^export_hf.py: out=.* holds files that are not an"):
+    with pytest.raises(SystemExit, match=r"^export_hf.py: error: out=.* holds files that are not"):
         export_app.main.__wrapped__(tool_cfg("export_hf", f"run={run}", f"out={tmp_path}"))
     small = tmp_path / "small"
     tiny_run(small, "data=synthetic", "data.vocab_size=64", "model.vocab_size=64",

@@ -23,7 +23,7 @@ import sample as sample_app
 from conftest import CONF, ROOT, load_script, python, tiny_run
 from model import GPT, GPTConfig
 from opt.fsdp import apply_fsdp
-from recipe import checkpoint, distributed
+from recipe import checkpoint, distributed, errors
 from train import build_optimizer
 
 QUIET = ("sample.num_samples=0", "wandb.mode=disabled")
@@ -89,12 +89,12 @@ def _tools_refuse(run: Path, tmp_path: Path, message: str) -> None:
         "export_hf.py": (export_app, _tool_cfg("export_hf", f"run={run}", f"out={tmp_path}/hf")),
     }
     for name, (app, cfg) in apps.items():
-        with pytest.raises(SystemExit, match=rf"^{name}: {message}"):
+        with pytest.raises(SystemExit, match=rf"^{name}: error: {message}"):
             app.main.__wrapped__(cfg)
     with pytest.MonkeyPatch.context() as mp, pytest.raises(SystemExit) as refused:
         mp.setattr("sys.argv", ["consolidate_checkpoint.py", str(run)])
-        consolidate_app.main()
-    assert re.match(rf"^consolidate_checkpoint.py: {message}", str(refused.value.code))
+        errors.main(consolidate_app.main)
+    assert re.match(rf"^consolidate_checkpoint.py: error: {message}", str(refused.value))
 
 
 def _resume(run: Path, steps: int = 4) -> dict:
@@ -245,10 +245,10 @@ def test_a_flipped_bit_in_the_optimizer_state_is_refused_before_anything_is_writ
         [python(), "scripts/evaluate.py", f"run={run}", "device=cpu"], cwd=ROOT,
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert done.returncode == 1 and "val/loss" not in done.stdout
+    assert done.returncode == 2 and "val/loss" not in done.stdout
     assert done.stderr.splitlines() == [
-        f"evaluate.py: {damaged}: the checkpoint cannot be used; copy the run folder again if "
-        "it came from elsewhere, else resume from a backup or start a new run folder"
+        f"evaluate.py: error: {damaged}: the checkpoint cannot be used; copy the run folder again "
+        "if it came from elsewhere, else resume from a backup or start a new run folder"
     ]
 
 

@@ -123,9 +123,9 @@ def test_prepare_script_verifies_on_demand(tmp_path) -> None:
     folder = Path(out.stdout.strip().splitlines()[-1].split(": ", 1)[1])
     _flip_byte(folder / "val.txt", 5)
     out = run()
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        f"prepare_data.py: {folder / 'val.txt'} is corrupt: its content differs from what "
+        f"prepare_data.py: error: {folder / 'val.txt'} is corrupt: its content differs from what "
         f"meta.json records: delete {folder} and run again: it is prepared automatically on "
         "first use"
     ]

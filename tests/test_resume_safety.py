@@ -165,7 +165,7 @@ def test_sample_refuses_a_llama_folder_in_one_line(hf_weights, tmp_path) -> None
     folder = _with_config(hf_weights, tmp_path / "llama", model_type="llama")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("sample", overrides=[f"model.pretrained={folder}", "device=cpu"])
-    with pytest.raises(SystemExit, match=rf"^sample\.py: model.pretrained={folder}: its config"):
+    with pytest.raises(SystemExit, match=rf"^sample\.py: error: model.pretrained={folder}: its"):
         sample.main.__wrapped__(cfg)
 
 

@@ -121,7 +121,7 @@ def test_export_refuses_a_foreign_hugging_face_folder_unless_forced(tmp_path) ->
     run_dir = tmp_path / "run"
     tiny_run(run_dir, "train.max_steps=1", *QUIET)
     args = (f"run={run_dir}", f"out={foreign}", "check=false")
-    with pytest.raises(SystemExit, match=r"^export_hf.py: out=.*not an export.*force=true"):
+    with pytest.raises(SystemExit, match=r"^export_hf.py: error: out=.*not an export.*force=true"):
         export_app.main.__wrapped__(tool_cfg("export_hf", *args))
     assert (foreign / "config.json").read_text() == before
     export_app.export_run(tool_cfg("export_hf", *args, "force=true"))
@@ -135,7 +135,7 @@ def test_out_is_checked_before_the_work(tmp_path, app) -> None:
     main = {"sample": sample_app.main, "evaluate": evaluate_app.main}[app]
     for out, problem in [(tmp_path, "is a folder"), (tmp_path / "no" / "x", "there is no folder")]:
         cfg = tool_cfg(app, f"run={tmp_path / 'nothing here'}", f"out={out}")
-        with pytest.raises(SystemExit, match=rf"^{app}.py: out=.*{problem}"):
+        with pytest.raises(SystemExit, match=rf"^{app}.py: error: out=.*{problem}"):
             main.__wrapped__(cfg)
 
 
@@ -233,7 +233,7 @@ def test_a_line_torn_at_the_end_of_the_metrics_is_dropped(tmp_path) -> None:
 def test_a_bad_metrics_line_is_refused_naming_the_file_and_line(tmp_path, bad, problem) -> None:
     data = b'{"step": 1}\n' + bad + b'\n{"step": 3}\n'
     path = _metrics(tmp_path, data)
-    with pytest.raises(ValueError, match=rf"metrics.jsonl, line 2: {problem}.*delete that line"):
+    with pytest.raises(RuntimeError, match=rf"metrics.jsonl, line 2: {problem}.*delete that line"):
         rundir.RunFolder(tmp_path, resume=True).cut_metrics(3)
     assert path.read_bytes() == data  # nothing dropped
 
