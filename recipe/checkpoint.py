@@ -727,14 +727,14 @@ def _read_kept(run_dir: Path, which: str | int, verify: bool) -> dict[str, Any]:
     """The best checkpoint, or the one of a step that the run keeps (train.keep_checkpoints)."""
     if which == "best":
         if not (run_dir / BEST / "LATEST").exists():
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"checkpoint=best: {run_dir} keeps no best checkpoint (a run with "
                 "train.keep_best=true does): use checkpoint=latest or a step"
             )
         return read(_latest_folder(run_dir / BEST), verify=verify)
     name = str(which) if str(which).startswith("step-") else f"step-{which}"
     if not STEP_FOLDER.fullmatch(name):
-        raise ValueError(f"checkpoint={which}: choose latest, best, or a step number")
+        raise ConfigError(f"checkpoint={which}: choose latest, best, or a step number")
     name = f"step-{_step_of(Path(name)):08d}"
     if (run_dir / HISTORY / name).is_dir():
         return read(run_dir / HISTORY / name, verify=verify)
@@ -745,7 +745,7 @@ def _read_kept(run_dir: Path, which: str | int, verify: bool) -> dict[str, Any]:
         return state
     folders = [*run_dir.glob(f"{HISTORY}/step-*"), *run_dir.glob(f"{SHARDED}/step-*")]
     kept = sorted({_step_of(p) for p in folders if STEP_FOLDER.fullmatch(p.name)} | {state["step"]})
-    raise FileNotFoundError(
+    raise MissingFile(
         f"checkpoint={which}: {run_dir} keeps no checkpoint of that step; it keeps steps "
         f"{', '.join(map(str, kept))}"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 GiB = 2**30
 
@@ -52,7 +53,7 @@ def cap_memory(device: torch.device, cap_gib: float | None) -> None:
         return
     total = torch.cuda.get_device_properties(device).total_memory / GiB
     if cap_gib > total:
-        raise ValueError(
+        raise ConfigError(
             f"perf.memory_cap_gib={cap_gib} exceeds this GPU's {total:.1f} GiB: lower it, or set "
             "it to null to use the whole GPU"
         )
