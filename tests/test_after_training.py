@@ -43,18 +43,6 @@ def run(tmp_path_factory: pytest.TempPathFactory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory):
-    """A randomly initialised Hugging Face GPT-2 with GPT-2's vocabulary, saved to disk."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).eval()
-    folder = tmp_path_factory.mktemp("hf")
-    hf.save_pretrained(folder)
-    return folder, hf
-
-
 # ---- sample.py
 
 

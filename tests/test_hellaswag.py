@@ -85,18 +85,6 @@ def hf_reference(hf_dir):
     return reference_accuracy(lambda idx: hf_dir[1](idx).logits, window=64)
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory):
-    """A randomly initialised Hugging Face GPT-2 with GPT-2's vocabulary, saved to disk."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).eval()
-    folder = tmp_path_factory.mktemp("hf")
-    hf.save_pretrained(folder)
-    return folder, hf
-
-
 # ---- the independent scorer: each convention as its sources describe it, one token at a time
 
 
@@ -302,7 +290,7 @@ def test_a_missing_task_file_is_named_by_its_setting(hf_dir) -> None:
     with pytest.raises(FileNotFoundError, match=r"^train.hellaswag_file=nowhere.jsonl: no such"):
         hellaswag.for_training(OmegaConf.create(train), "unused")
     assert hellaswag.for_training(OmegaConf.create({"hellaswag": False}), "unused") is None
-    with pytest.raises(SystemExit, match=r"^evaluate.py: task_file=nowhere.jsonl: no such file"):
+    with pytest.raises(SystemExit, match=r"^evaluate.py: error: task_file=nowhere.jsonl: no such file"):
         evaluate_app.main.__wrapped__(
             evaluate_cfg(f"model.pretrained={folder}", "task_file=nowhere.jsonl")
         )
