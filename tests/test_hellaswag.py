@@ -290,7 +290,8 @@ def test_a_missing_task_file_is_named_by_its_setting(hf_dir) -> None:
     with pytest.raises(FileNotFoundError, match=r"^train.hellaswag_file=nowhere.jsonl: no such"):
         hellaswag.for_training(OmegaConf.create(train), "unused")
     assert hellaswag.for_training(OmegaConf.create({"hellaswag": False}), "unused") is None
-    with pytest.raises(SystemExit, match=r"^evaluate.py: error: task_file=nowhere.jsonl: no such file"):
+    missing = r"^evaluate.py: error: task_file=nowhere.jsonl: no such file"
+    with pytest.raises(SystemExit, match=missing):
         evaluate_app.main.__wrapped__(
             evaluate_cfg(f"model.pretrained={folder}", "task_file=nowhere.jsonl")
         )
