@@ -71,6 +71,7 @@ from torch.distributed.tensor import DTensor
 from data import integrity
 from recipe.distributed import Distributed, log
 from recipe.errors import ConfigError, MissingFile, Unusable
+from recipe.files import write_text_atomically
 
 FILENAME = "checkpoint.pt"
 SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256.json) and LATEST
@@ -104,7 +105,7 @@ def _rng_state() -> dict[str, Any]:
 
 def _remove_stale_temporaries(folder: Path) -> None:
     """Deletes `*.tmp-<pid>` files left by processes that were killed while saving."""
-    # `*.pt.tmp-<pid>`: write_atomically's; `*.json.tmp-<pid>`: its checksums';
+    # `*.pt.tmp-<pid>`: write_atomically's; `.*.json.tmp-<pid>`: its checksums' (recipe/files.py);
     # `checkpoint.tmp-<pid>`: earlier versions' name.
     patterns = ("*.pt.tmp-*", "*.json.tmp-*", f"{Path(FILENAME).stem}.tmp-*")
     for tmp in [path for pattern in patterns for path in folder.glob(pattern)]:
@@ -157,12 +158,7 @@ def checksums_of(path: Path) -> Path:
 
 
 def _write_json_atomically(path: Path, content: Any) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(content, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(content, indent=1) + "\n")
 
 
 def _replace_with_checksum(tmp: Path, path: Path) -> None:
@@ -619,9 +615,7 @@ def _background_group() -> Any:
 
 def _point(root: Path, name: str) -> None:
     """Writes `root/LATEST` naming `name` (an atomic rename)."""
-    tmp = root / f"LATEST.tmp-{os.getpid()}"
-    tmp.write_text(name)
-    os.replace(tmp, root / "LATEST")
+    write_text_atomically(root / "LATEST", name)
 
 
 def _step_of(folder: Path) -> int:

@@ -30,6 +30,7 @@ import data
 from recipe import rundir
 from recipe.distributed import DEVICES, log
 from recipe.errors import ConfigError, MissingFile, unknown_key
+from recipe.files import write_text_atomically
 
 CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -235,7 +236,7 @@ def save(run_dir: Path, resolved_cfg: dict[str, Any], overrides: list[str]) -> N
     """Writes `config.yaml` (what ran) and `overrides.yaml` (the command line that built it),
     each replaced whole by a rename (a symbolic link there is replaced, never followed)."""
     for name, value in ((CONFIG_FILE, resolved_cfg), (OVERRIDES_FILE, overrides)):
-        rundir.write_atomically(run_dir / name, OmegaConf.to_yaml(OmegaConf.create(value)))
+        write_text_atomically(run_dir / name, OmegaConf.to_yaml(OmegaConf.create(value)))
 
 
 def compose(overrides: list[str]) -> DictConfig:

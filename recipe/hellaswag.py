@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from data.tokenizer import gpt2_encoding
 from recipe.distributed import Distributed
 from recipe.errors import ConfigError, MissingFile, Unusable
-from recipe.rundir import write_atomically
+from recipe.files import write_text_atomically
 
 HUB_PATH = "Rowan/hellaswag"  # the dataset lm-evaluation-harness reads, split "validation"
 CONVENTIONS = ("acc", "acc_norm", "acc_token_mean")
@@ -79,7 +79,9 @@ def cached_hub_file(cache_dir: str, key: str = "task_file") -> Path:
         ) from e
     path.parent.mkdir(parents=True, exist_ok=True)
     kept = ("ind", *FIELDS)
-    write_atomically(path, "".join(json.dumps({k: row[k] for k in kept}) + "\n" for row in rows))
+    write_text_atomically(
+        path, "".join(json.dumps({k: row[k] for k in kept}) + "\n" for row in rows)
+    )
     return path
 
 

@@ -24,7 +24,8 @@ import torch
 from omegaconf import DictConfig
 
 from recipe.distributed import log
-from recipe.rundir import seconds_since_launch, write_atomically
+from recipe.files import write_text_atomically
+from recipe.rundir import seconds_since_launch
 
 GiB = 1024**3
 
@@ -355,7 +356,7 @@ class MetricLogger:
         if not self.enabled:
             return summary
         text = json.dumps(json_safe(summary), indent=2, allow_nan=False)
-        write_atomically(run_dir / "summary.json", text)  # never through a planted link
+        write_text_atomically(run_dir / "summary.json", text)  # never through a planted link
         self.jsonl.close()
         if self.run is not None:
             self.run.summary.update(summary)

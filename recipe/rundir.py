@@ -32,6 +32,7 @@ from typing import Any
 from recipe.checkpoint import BEST, FILENAME, HISTORY, SHARDED
 from recipe.distributed import launcher
 from recipe.errors import FileRefused, MissingFile, Unusable
+from recipe.files import write_text_atomically
 
 METRICS, SUMMARY, LOCK = "metrics.jsonl", "summary.json", ".lock"
 # Every file the trainer writes in a run folder (config.yaml and overrides.yaml: recipe/config.py's
@@ -66,20 +67,6 @@ def resume_command(path: Path, *overrides: str) -> str:
     return command(
         *launcher(), "train.py", f"hydra.run.dir={path}", "train.resume=true", *overrides
     )
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Writes `text` to `path` through a new temporary file renamed over it: a kill leaves the old
-    or the new file whole, and a symbolic link at `path` is replaced, never followed."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)  # a killed write's leftover (a link there: removed, not followed)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -181,7 +168,7 @@ class RunFolder:
         if not path.exists():
             return []
         rows = [row for row in read_metrics(path) if row["step"] <= step]
-        write_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
+        write_text_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
         return rows
 
 
