@@ -6,12 +6,13 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from recipe.errors import ConfigError, Unusable
 
@@ -46,12 +47,39 @@ def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+# The mesh's dimensions, outermost first: pipeline stages, data-parallel replicas or shards,
+# tensor-parallel shards (innermost: its collectives run every layer, so its ranks are adjacent,
+# i.e. on one machine under torchrun's rank order).
+MESH_DIMS = ("pp", "dp", "tp")
+
+
 @dataclass(frozen=True)
 class Distributed:
     rank: int
     local_rank: int
     world_size: int
     device: torch.device
+    # The processes as a pp x dp x tp DeviceMesh when a stage splits the model (+opt=pp, +opt=tp;
+    # `with_mesh`), else None: then every process is a data-parallel rank.
+    mesh: DeviceMesh | None = None
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's data-parallel coordinate: which slice of each global batch it reads.
+        The ranks of one pipeline or tensor-parallel group read the same batch."""
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many different slices each global batch is split into."""
+        return self.mesh["dp"].size() if self.mesh is not None else self.world_size
+
+    def with_mesh(self, pp: int = 1, tp: int = 1) -> Distributed:
+        """This world arranged as `pp` pipeline stages x the data-parallel rest x `tp` tensor
+        shards; unchanged when both are 1."""
+        if pp == 1 and tp == 1:
+            return self
+        return replace(self, mesh=build_mesh(self.device, self.world_size, pp, tp))
 
     @property
     def is_main(self) -> bool:
@@ -122,6 +150,23 @@ class Distributed:
 
 _CPU_GROUP: dist.ProcessGroup | None = None
 _PENDING_VOTE: tuple[dist.Work, torch.Tensor] | None = None  # any_one_step_late's last call
+
+
+def mesh_shape(world_size: int, pp: int, tp: int) -> tuple[int, int, int]:
+    """(pp, dp, tp) for `world_size` processes: dp takes the processes the others leave."""
+    if world_size % (pp * tp):
+        raise ConfigError(
+            f"{world_size} processes cannot form {pp} pipeline stage(s) x {tp} tensor shard(s): "
+            f"launch a multiple of {pp * tp} processes (torchrun --nproc_per_node), or change "
+            "opt.pp.degree / opt.tp.degree"
+        )
+    return pp, world_size // (pp * tp), tp
+
+
+def build_mesh(device: torch.device, world_size: int, pp: int, tp: int) -> DeviceMesh:
+    """The pp x dp x tp DeviceMesh over the default process group (torchrun's ranks, row-major:
+    tp innermost)."""
+    return init_device_mesh(device.type, mesh_shape(world_size, pp, tp), mesh_dim_names=MESH_DIMS)
 
 
 def _cpu_group() -> dist.ProcessGroup:
