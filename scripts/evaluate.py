@@ -10,9 +10,9 @@ its zero-shot HellaSwag accuracy (`task=hellaswag`, recipe/hellaswag.py, as the 
 
 The run's model comes from its checkpoint, its settings from its saved config: the corpus (or
 `data=`), the seed that picks the fixed validation windows, and the stages that change the
-numbers (amp's precision, the fused head). The loader and the loss are train.py's
-(`build_loaders`, `evaluate`), so on the same checkpoint and data the loss equals the run's last
-logged val/loss.
+numbers (amp's precision, the fused head). The loader and the loss are the trainer's
+(recipe/evaluation.py: `build_loaders`, `evaluate`), so on the same checkpoint and data the loss
+equals the run's last logged val/loss.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import data  # noqa: E402
 import opt  # noqa: E402
 from model import GPT  # noqa: E402
 from recipe import config, distributed, errors, hellaswag, tools  # noqa: E402
-from train import build_loaders, evaluate  # noqa: E402
+from recipe.evaluation import build_loaders, evaluate  # noqa: E402
 
 config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
 
