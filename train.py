@@ -24,13 +24,14 @@ from torch.distributed.tensor import DTensor
 import data
 import opt
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, errors, generate, hellaswag, launch, rundir
+from recipe import checkpoint, config, distributed, errors, hellaswag, launch, rundir
 from recipe.evaluation import build_loaders, validation
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import cap_memory, peak_flops
 from recipe.metrics import LoopMeter, MetricLogger, memory_gib, reset_memory_peaks
 from recipe.profiling import Profiler
 from recipe.schedule import learning_rate, set_learning_rate
+from tools import generate
 
 config.register_resolvers()  # ${launch:} names the run folder; --help shows conf/ with comments
 
