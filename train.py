@@ -24,12 +24,14 @@ from torch.distributed.tensor import DTensor
 import data
 import opt
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, errors, generate, hellaswag, launch, rundir
+from recipe import checkpoint, config, distributed, errors, hellaswag, launch, rundir
+from recipe.evaluation import build_loaders, validation
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import cap_memory, peak_flops
 from recipe.metrics import LoopMeter, MetricLogger, memory_gib, reset_memory_peaks
 from recipe.profiling import Profiler
 from recipe.schedule import learning_rate, set_learning_rate
+from tools import generate
 
 config.register_resolvers()  # ${launch:} names the run folder; --help shows conf/ with comments
 
@@ -112,67 +114,6 @@ def train_step(
     guard.step(optimizer, scaler, losses, grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return losses, grad_norm
-
-
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module,
-    val_loader: torch.utils.data.DataLoader,
-    plan: opt.Plan,
-    dist: distributed.Distributed,
-) -> float:
-    """The mean loss over the fixed validation set (`train.eval_sequences`, over all ranks).
-
-    Eager even under +opt=compile: an inference graph (and its last, shorter batch) would cost a
-    compilation longer than the evaluation itself."""
-    model.eval()
-    total, count = torch.zeros((), device=dist.device), 0
-    for inputs, targets in data.DeviceBatches(val_loader, dist.device, plan.loader.non_blocking):
-        with torch.compiler.set_stance("force_eager"), plan.autocast(dist.device):
-            total += model(inputs, targets)[1] * len(inputs)
-        count += len(inputs)
-    model.train()
-    return dist.mean(total / count).item()  # every rank holds the same number of sequences
-
-
-def validation(
-    model: GPT,
-    val_loader: torch.utils.data.DataLoader,
-    hellaswag_items: list[dict] | None,
-    plan: opt.Plan,
-    dist: distributed.Distributed,
-) -> dict[str, float | None]:
-    """`val/loss`, and under `train.hellaswag=true` the HellaSwag accuracies (every rank scores
-    its share of the items)."""
-    metrics: dict[str, float | None] = {"val/loss": evaluate(model, val_loader, plan, dist)}
-    if hellaswag_items:
-        scores = hellaswag.evaluate(
-            model, hellaswag_items, block_size=model.config.block_size, dist=dist,
-            autocast=plan.autocast(dist.device),
-        )  # fmt: skip
-        metrics |= {f"val/hellaswag_{c}": scores[c] for c in hellaswag.CONVENTIONS}
-    return metrics
-
-
-def build_loaders(
-    cfg: DictConfig, plan: opt.Plan, dist: distributed.Distributed, start_sample: int = 0
-) -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
-    """This rank's training batches from the data stream's `start_sample` on, and its share of
-    the fixed validation set (scripts/evaluate.py builds the same one)."""
-    splits = data.load_splits(
-        cfg.data, block_size=cfg.model.block_size, seed=cfg.train.seed,
-        vocab_size=cfg.model.vocab_size,
-    )  # fmt: skip
-    loader_args = dict(
-        rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed, options=plan.loader
-    )
-    train_loader = data.build_loader(
-        splits["train"], plan.batch_size, start_sample=start_sample, **loader_args
-    )
-    val_loader = data.build_eval_loader(
-        splits["val"], cfg.train.eval_sequences, plan.micro_batch_size, **loader_args
-    )
-    return train_loader, val_loader
 
 
 def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> dict[str, Any]:

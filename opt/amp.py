@@ -14,8 +14,9 @@ from omegaconf import DictConfig
 
 from recipe.distributed import log
 from recipe.errors import ConfigError
+from recipe.precision import AUTOCAST_DTYPES as DTYPES  # the dtypes opt.amp.dtype chooses from
+from recipe.precision import warn_if_float16_on_cpu
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTO = "auto"  # opt.amp.dtype: bfloat16 where the device supports it, else float16
 
 
@@ -73,14 +74,3 @@ def resolve_dtype(choice: str, device: torch.device) -> str:
     if choice not in DTYPES:
         raise ConfigError(f"opt.amp.dtype={choice!r}: choose auto, float16 or bfloat16")
     return choice
-
-
-def warn_if_float16_on_cpu(dtype: torch.dtype, device: torch.device, key: str) -> None:
-    """One line when float16 would run on a CPU: most CPUs have no float16 arithmetic, so
-    PyTorch emulates it (the tiny model's step: 26x slower than in float32 on a 2-core machine),
-    while bfloat16 runs at about float32's speed. `key` is the setting that chose float16."""
-    if dtype == torch.float16 and device.type == "cpu":
-        log(
-            f"[warning] {key}=float16 on a CPU is emulated (no float16 hardware): ~20-30x slower "
-            f"than float32; use {key}=bfloat16 (about float32's speed)"
-        )

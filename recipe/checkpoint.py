@@ -7,7 +7,7 @@ Two layouts, one interface (`save`, `read`, `restore`, `load_model`):
 - `checkpoint.dcp/` under FSDP: torch.distributed.checkpoint (DCP) shards, each rank writing its
   own (nothing is gathered on one rank), in `step-<N>/`, with `LATEST` naming the complete one.
   DCP reshards on load, so a run resumes on another number of processes, or in one process
-  without FSDP; `scripts/consolidate_checkpoint.py` turns it into one `checkpoint.pt`.
+  without FSDP; `python -m tools.consolidate_checkpoint` turns it into one `checkpoint.pt`.
 Both are replaced atomically: a save killed midway leaves the previous checkpoint readable.
 One layout at a time: a save that writes one removes the other once it is complete; the reader
 chooses by the step each records (never by file times) and refuses two of different steps.

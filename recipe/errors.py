@@ -76,14 +76,18 @@ def did_you_mean(key: str, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def app(config_name: str, config_path: str = "conf") -> Callable[[Callable[[Any], Any]], Any]:
+def app(
+    config_name: str, config_path: str = str(CONF_DIR)
+) -> Callable[[Callable[[Any], Any]], Any]:
     """`@hydra.main` for the recipe's programs (Hydra 1.3 semantics), with their errors and
-    Hydra's reported as described at the top."""
+    Hydra's reported as described at the top. conf/ by its absolute path: found alike from
+    train.py, `python sample.py` and `python -m tools.<tool>` (a relative one would be read
+    beside the file, or inside the package)."""
 
     def decorate(task: Callable[[Any], Any]) -> Any:
         program = Path(task.__code__.co_filename).name
 
-        @functools.wraps(task)  # Hydra finds conf/ beside the task's own file
+        @functools.wraps(task)  # Hydra names the job after the task's module
         def reported(cfg: Any) -> Any:  # inside Hydra's job: ends it before Hydra reports it
             return _one_line(lambda: task(cfg), program)
 

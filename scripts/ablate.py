@@ -67,22 +67,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import ladder_profile  # a sibling script: its folder is first on sys.path
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import recipe.errors
+from recipe.distributed import descendants, torchrun
+from recipe.provenance import device_name, environment, git_commit
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
-sys.path.append(str(Path(__file__).resolve().parent))  # ladder_profile.py, next to this file
 # The harness's own config, apart from conf/'s groups: train.py's search path does not see it.
 CONF = ROOT / "conf" / "ablate"
 PUBLISHED = ROOT / "docs" / "results"  # the shipped results: written only with publish=true
-
-import ladder_profile  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-import recipe.errors  # noqa: E402
-from recipe.distributed import descendants, torchrun  # noqa: E402
-from recipe.provenance import device_name, environment, git_commit  # noqa: E402
 
 OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|not enough memory|Cannot allocate memory")
 # The per-step numbers, from the run's summary.json: (column, summary key).

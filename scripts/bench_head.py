@@ -31,15 +31,14 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
-
-from kernels.linear_cross_entropy import (  # noqa: E402
+from kernels.linear_cross_entropy import (
     _cross_entropy_rows_torch_,
     chunked_linear_cross_entropy,
     linear_cross_entropy,
 )
-from recipe.provenance import git_commit  # noqa: E402
+from recipe.provenance import git_commit
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = {"gpt2": (32768, 768), "gpt2-xl": (16384, 1600)}  # (tokens = batch x 1024, width)
 VOCAB, PADDED_VOCAB = 50257, 50304

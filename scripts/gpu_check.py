@@ -29,14 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ablate  # a sibling script: its folder is first on sys.path
+import torch
+
+from recipe.provenance import device_name, environment
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
-sys.path.append(str(Path(__file__).resolve().parent))  # ablate.py, next to this file
-
-import ablate  # noqa: E402
-import torch  # noqa: E402
-
-from recipe.provenance import device_name, environment  # noqa: E402
 
 NOISE = 0.02  # the narrowest tokens/s interval a row is judged with: ±2% of the accepted median
 MEMORY = 0.02  # peak allocated memory may move this much either way

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import step_budget
+import step_budget  # a sibling script: its folder is first on sys.path
 from omegaconf import DictConfig
 
 # The families in the row and the table, largest first in a GPT-2 step (step_budget.md).

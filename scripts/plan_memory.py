@@ -47,18 +47,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from omegaconf import DictConfig
+
+import opt
+from model import GPT, GPTConfig
+from opt.ac import apply_ac
+from opt.custom_op import apply_custom_op
+from recipe import config as recipe_config
+from recipe.distributed import Distributed
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
-
-import torch  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-import opt  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from opt.ac import apply_ac  # noqa: E402
-from opt.custom_op import apply_custom_op  # noqa: E402
-from recipe import config as recipe_config  # noqa: E402
-from recipe.distributed import Distributed  # noqa: E402
 
 GIB = 2**30
 # The one calibrated constant of the prediction: what the category model leaves out (LayerNorm

@@ -19,14 +19,13 @@ import os
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from recipe.config import OVERRIDES_FILE
+from recipe.launch import own_overrides
+from recipe.rundir import METRICS, read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
-
-from omegaconf import OmegaConf  # noqa: E402
-
-from recipe.config import OVERRIDES_FILE  # noqa: E402
-from recipe.launch import own_overrides  # noqa: E402
-from recipe.rundir import METRICS, read_metrics  # noqa: E402
 
 # The panels: (title, y label, [(metric, line style)]): one metric name each, as in the console,
 # the JSONL file and wandb.

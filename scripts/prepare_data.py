@@ -11,16 +11,14 @@ overrides:
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+
+from data import prepare, verify
+from recipe import errors
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
-
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from data import prepare, verify  # noqa: E402
-from recipe import errors  # noqa: E402
 
 
 def main(overrides: list[str], check: bool = False) -> Path | None:

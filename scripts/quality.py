@@ -30,10 +30,9 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
+from recipe.provenance import environment
 
-from recipe.provenance import environment  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 WORKLOAD = (
     "model=gpt2 data=shakespeare train.batch_size=16 train.max_steps=300 train.lr=6e-4 "

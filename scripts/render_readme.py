@@ -28,9 +28,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent))  # vs_nanogpt.py, next to this file
-
-import vs_nanogpt  # noqa: E402
+import vs_nanogpt  # a sibling script: its folder is first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(

@@ -46,8 +46,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# ablate.py, next to this file, even when imported (last: it shadows no installed package).
-sys.path.append(str(ROOT / "scripts"))
 BLOCK = 1024  # tokens per sequence, both sides
 BENCH_MS = re.compile(r"^time per iteration: ([\d.]+)ms", re.MULTILINE)
 # Our configurations: a step of the speed ladder (its stages and overrides, accumulated).
@@ -384,8 +382,7 @@ def load(path: Path) -> dict:
 def measure(args: argparse.Namespace) -> dict:
     """Runs every configuration once per round, `args.repeats` rounds, writing the results after
     every run; stops early rather than pass `args.deadline_s`."""
-    sys.path.insert(0, str(ROOT))
-    from ablate import slug
+    from ablate import slug  # a sibling script: its folder is first on sys.path
 
     from recipe.provenance import device_name, environment
 

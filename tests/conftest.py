@@ -24,6 +24,11 @@ os.environ["WANDB_SILENT"] = "true"
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+SCRIPTS = ROOT / "scripts"
+# Run as a file, a script finds the sibling scripts it imports (ablate.py: ladder_profile) in its
+# own folder, first on sys.path; the tests import scripts, so that folder goes on the path too,
+# after the installed packages, so that no script shadows one.
+sys.path.append(str(SCRIPTS))
 
 # A 2-layer, 32-wide GPT on 32-token windows: a training step takes ~50 ms on a CPU.
 TINY = [
@@ -35,7 +40,7 @@ TINY = [
 
 def load_script(name: str) -> types.ModuleType:
     """scripts/<name>.py as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec and spec.loader, name
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

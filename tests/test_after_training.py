@@ -1,4 +1,4 @@
-"""After training: sample.py, scripts/evaluate.py and scripts/export_hf.py read a run folder (or
+"""After training: sample.py, tools/evaluate.py and tools/export_hf.py read a run folder (or
 Hugging Face weights) and agree with the trainer: the same samples, the same validation loss,
 and an export whose logits are ours."""
 
@@ -14,17 +14,17 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from torch._dynamo.utils import counters
 
-import sample as sample_app
-from conftest import CONF, ROOT, load_script, logged, python, tiny_cfg, tiny_run
+from conftest import CONF, ROOT, logged, python, tiny_cfg, tiny_run
 from data.tokenizer import gpt2_encoding
 from model import GPT
-from recipe import checkpoint, generate
+from recipe import checkpoint
+from tools import evaluate as evaluate_app
+from tools import export_hf as export_app
+from tools import generate
+from tools import sample as sample_app
 from train import train
 
 QUIET = ("wandb.mode=disabled", "train.log_interval=1")
-
-
-evaluate_app, export_app = load_script("evaluate"), load_script("export_hf")
 
 
 def tool_cfg(name: str, *overrides: str) -> DictConfig:
@@ -126,7 +126,7 @@ def test_sample_cli_reports_bad_input_in_one_line(tmp_path) -> None:
     ]
 
 
-# ---- scripts/evaluate.py
+# ---- tools/evaluate.py
 
 
 def test_evaluate_equals_the_runs_logged_val_loss_under_its_stages(tmp_path) -> None:
@@ -165,7 +165,7 @@ def test_evaluate_refuses_a_window_longer_than_the_model(run) -> None:
         evaluate_app.main.__wrapped__(tool_cfg("evaluate", f"run={run}", "block_size=64"))
 
 
-# ---- scripts/export_hf.py
+# ---- tools/export_hf.py
 
 
 @pytest.mark.parametrize("bias", [True, False])

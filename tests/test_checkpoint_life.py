@@ -14,8 +14,9 @@ from omegaconf import OmegaConf
 
 from conftest import make_cfg, tiny_run
 from model import GPT, GPTConfig
-from recipe import checkpoint, tools
+from recipe import checkpoint
 from recipe.distributed import Distributed
+from tools import loading
 from train import train
 
 QUIET = ("sample.num_samples=0", "wandb.mode=disabled")
@@ -108,7 +109,7 @@ def test_keep_best_keeps_the_lowest_val_loss(tmp_path) -> None:
     # The tools load it: checkpoint=best.
     cfg = OmegaConf.create({"run": str(tmp_path), "model": {}, "verify": True,
                             "checkpoint": "best"})  # fmt: skip
-    loaded, _ = tools.load_model(cfg, torch.device("cpu"))
+    loaded, _ = loading.load_model(cfg, torch.device("cpu"))
     torch.testing.assert_close(loaded.lm_head.weight, weights[2], rtol=0, atol=0)
     with pytest.raises(FileNotFoundError, match="checkpoint=best: .* keeps no best"):
         checkpoint.read(tmp_path / "nothing", which="best")
@@ -203,8 +204,8 @@ def test_a_failed_background_save_surfaces_at_the_next_save_and_at_the_end(
 def test_the_tools_configs_choose_a_kept_checkpoint(tmp_path) -> None:
     from hydra import compose, initialize_config_dir
 
-    import sample as sample_app
     from conftest import CONF
+    from tools import sample as sample_app
 
     run = tmp_path / "run"
     tiny_run(run, "train.max_steps=4", "train.checkpoint_interval=2", "train.eval_interval=2",

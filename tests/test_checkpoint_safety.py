@@ -19,18 +19,17 @@ import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import sample as sample_app
-from conftest import CONF, ROOT, load_script, python, tiny_run
+from conftest import CONF, ROOT, python, tiny_run
 from model import GPT, GPTConfig
 from opt.fsdp import apply_fsdp
 from recipe import checkpoint, distributed, errors
+from tools import consolidate_checkpoint as consolidate_app
+from tools import evaluate as evaluate_app
+from tools import export_hf as export_app
+from tools import sample as sample_app
 from train import build_optimizer
 
 QUIET = ("sample.num_samples=0", "wandb.mode=disabled")
-
-
-evaluate_app, export_app = load_script("evaluate"), load_script("export_hf")
-consolidate_app = load_script("consolidate_checkpoint")
 
 
 def _shard(run: Path) -> None:
@@ -242,7 +241,7 @@ def test_a_flipped_bit_in_the_optimizer_state_is_refused_before_anything_is_writ
         _resume(run)
     assert saved == {name: (run / name).read_bytes() for name in saved}  # not rewritten
     done = subprocess.run(
-        [python(), "scripts/evaluate.py", f"run={run}", "device=cpu"], cwd=ROOT,
+        [python(), "-m", "tools.evaluate", f"run={run}", "device=cpu"], cwd=ROOT,
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2 and "val/loss" not in done.stdout

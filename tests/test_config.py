@@ -76,7 +76,7 @@ def _leaf_keys(yaml_file):
 
 
 DOCUMENTED = [
-    *sorted(CONF.glob("*.yaml")),  # the trainer's and the tools' (sample.py, scripts/)
+    *sorted(CONF.glob("*.yaml")),  # the trainer's and the tools' (sample.py, tools/)
     CONF / "model/gpt2.yaml", CONF / "data/shakespeare.yaml",
     *sorted((CONF / "opt").glob("*.yaml")), CONF / "hydra/help/annotated.yaml",
 ]  # fmt: skip

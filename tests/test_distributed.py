@@ -175,7 +175,7 @@ def test_fsdp_checkpoints_are_sharded_and_consolidate_to_ddps_layout(runs, tmp_p
     copy = tmp_path / "run"
     shutil.copytree(runs["fsdp"], copy)
     done = subprocess.run(
-        [sys.executable, "scripts/consolidate_checkpoint.py", str(copy)],
+        [sys.executable, "-m", "tools.consolidate_checkpoint", str(copy)],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -1,7 +1,7 @@
 """HellaSwag (recipe/hellaswag.py): on items written here in the dataset's format, the module's
 batched scoring picks, item by item, what a plain token-by-token scorer written here picks, for
 each convention (lm-evaluation-harness's acc and acc_norm, build-nanogpt's acc_token_mean), for a
-tiny random GPT and for a Hugging Face GPT-2 folder (scored by transformers itself); evaluate.py
+tiny random GPT and for a Hugging Face GPT-2 folder (scored by transformers itself); tools.evaluate
 task=hellaswag and train.hellaswag=true report those numbers; the split over ranks sums to the
 one-process totals."""
 
@@ -17,14 +17,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, TINY, load_script, logged, tiny_run
+from conftest import CONF, ROOT, TINY, logged, tiny_run
 from data.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig
 from recipe import distributed, hellaswag
 from recipe.distributed import Distributed
+from tools import evaluate as evaluate_app
 
 CPU = torch.device("cpu")
-evaluate_app = load_script("evaluate")
 
 # Varied as the real items are: ActivityNet's lower-case ctx_b, WikiHow's [title]/[step]/[header]
 # markers and empty ctx_b, double spaces, a bracket ending the context (a trailing space the

@@ -58,8 +58,8 @@ def test_the_tools_read_a_lowbit_run_without_torchao(lowbit_run, tmp_path) -> No
     above is the fast check that the checkpoint holds no torchao class)."""
     for command in (
         ["sample.py", f"run={lowbit_run}", "num_samples=1", "max_new_tokens=2", "device=cpu"],
-        ["scripts/evaluate.py", f"run={lowbit_run}", "device=cpu", "eval_sequences=2"],
-        ["scripts/export_hf.py", f"run={lowbit_run}", f"out={tmp_path / 'hf'}"],
+        ["-m", "tools.evaluate", f"run={lowbit_run}", "device=cpu", "eval_sequences=2"],
+        ["-m", "tools.export_hf", f"run={lowbit_run}", f"out={tmp_path / 'hf'}"],
     ):
         done = subprocess.run(
             [python(), "-c", _WITHOUT_TORCHAO, *command], cwd=ROOT, capture_output=True,
@@ -69,13 +69,17 @@ def test_the_tools_read_a_lowbit_run_without_torchao(lowbit_run, tmp_path) -> No
     assert (tmp_path / "hf" / "config.json").exists()
 
 
-# Runs a script as `python <script> <args>` would, with torchao made unimportable.
+# Runs `python <script> <args>` or `python -m <module> <args>` as Python would, with torchao made
+# unimportable.
 _WITHOUT_TORCHAO = """
 import runpy, sys
 sys.modules["torchao"] = None
-script, sys.argv = sys.argv[1], sys.argv[1:]
-sys.path.insert(0, "scripts" if script.startswith("scripts/") else ".")
-runpy.run_path(script, run_name="__main__")
+if sys.argv[1] == "-m":
+    sys.argv = sys.argv[2:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
@@ -160,7 +164,7 @@ def test_pretrained_weights_that_do_not_fit_are_refused(hf_weights, tmp_path, ch
 
 
 def test_sample_refuses_a_llama_folder_in_one_line(hf_weights, tmp_path) -> None:
-    import sample
+    from tools import sample
 
     folder = _with_config(hf_weights, tmp_path / "llama", model_type="llama")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from test_after_training import evaluate_app, export_app, tool_cfg
 
-import sample as sample_app
 from conftest import ROOT, TINY, python, tiny_run
 from recipe import config, rundir
 from recipe.checkpoint import FILENAME
+from tools import sample as sample_app
 from train import closing_line
 
 preparation = importlib.import_module("data.prepare")  # `data.prepare` is the function

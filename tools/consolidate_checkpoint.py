@@ -2,19 +2,15 @@
 the single-file layout that one process reads, for sampling, evaluation, export or a resume
 anywhere. Runs in one process; needs host memory for the full model and optimizer state.
 
-    python scripts/consolidate_checkpoint.py outputs/2026-11-23/10-00-00-1234
+    python -m tools.consolidate_checkpoint outputs/2026-11-23/10-00-00-1234
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
-
-from recipe import checkpoint, errors  # noqa: E402
+from recipe import checkpoint, errors
 
 
 def consolidate(run_dir: Path, verify: bool = False) -> Path:

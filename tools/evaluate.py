@@ -2,17 +2,17 @@
 its zero-shot HellaSwag accuracy (`task=hellaswag`, recipe/hellaswag.py, as the trainer's
 `train.hellaswag=true` scores it).
 
-    python scripts/evaluate.py run=outputs/2026-11-23/10-00-00-1234        # the run's own corpus
-    python scripts/evaluate.py run=outputs/... data=text data.files='notes/*.txt' out=eval.json
-    python scripts/evaluate.py model.pretrained=exported/ eval_sequences=200
-    python scripts/evaluate.py run=outputs/... task=hellaswag task_file=hellaswag_val.jsonl
-    python scripts/evaluate.py --help                                     # conf/evaluate.yaml
+    python -m tools.evaluate run=outputs/2026-11-23/10-00-00-1234        # the run's own corpus
+    python -m tools.evaluate run=outputs/... data=text data.files='notes/*.txt' out=eval.json
+    python -m tools.evaluate model.pretrained=exported/ eval_sequences=200
+    python -m tools.evaluate run=outputs/... task=hellaswag task_file=hellaswag_val.jsonl
+    python -m tools.evaluate --help                                     # conf/evaluate.yaml
 
 The run's model comes from its checkpoint, its settings from its saved config: the corpus (or
 `data=`), the seed that picks the fixed validation windows, and the stages that change the
-numbers (amp's precision, the fused head). The loader and the loss are train.py's
-(`build_loaders`, `evaluate`), so on the same checkpoint and data the loss equals the run's last
-logged val/loss.
+numbers (amp's precision, the fused head). The loader and the loss are the trainer's
+(recipe/evaluation.py: `build_loaders`, `evaluate`), so on the same checkpoint and data the loss
+equals the run's last logged val/loss.
 """
 
 from __future__ import annotations
@@ -20,20 +20,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-from pathlib import Path
 from typing import Any, cast
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
+from omegaconf import DictConfig, OmegaConf
 
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-
-import data  # noqa: E402
-import opt  # noqa: E402
-from model import GPT  # noqa: E402
-from recipe import config, distributed, errors, hellaswag, tools  # noqa: E402
-from train import build_loaders, evaluate  # noqa: E402
+import data
+import opt
+from model import GPT
+from recipe import config, distributed, errors, hellaswag
+from recipe.evaluation import build_loaders, evaluate
+from tools import loading
 
 config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
 
@@ -44,7 +40,7 @@ OPTIMIZER_ONLY = ("lowbit",)
 TASKS = ("val_loss", "hellaswag")
 
 
-@errors.app(config_name="evaluate", config_path="../conf")  # @hydra.main, its errors in one line
+@errors.app(config_name="evaluate")  # @hydra.main, its errors in one line
 def main(cfg: DictConfig) -> None:
     evaluate_model(cfg)
 
@@ -84,8 +80,8 @@ def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
         raise errors.ConfigError(
             "evaluate.py runs as one process: start it with python, not torchrun"
         )
-    out = tools.output_file(cfg.out)  # checked before the evaluation
-    model, saved = tools.load_model(cfg, distributed.resolve_device(cfg.device))
+    out = loading.output_file(cfg.out)  # checked before the evaluation
+    model, saved = loading.load_model(cfg, distributed.resolve_device(cfg.device))
     run_cfg = run_config(cfg, saved, model)
 
     # As the trainer does: the plan and the model stages, then the task.
@@ -94,7 +90,7 @@ def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
     model = opt.apply_model_stages(model, run_cfg.opt, plan, dist)  # type: ignore[assignment]
     task = hellaswag_task if cfg.task == "hellaswag" else val_loss_task
     result = task(cfg, run_cfg, model, plan, dist) | {
-        "model": tools.source(cfg),
+        "model": loading.source(cfg),
         "block_size": run_cfg.model.block_size,
         "stages": plan.stages,
         "device": str(dist.device),

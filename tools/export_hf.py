@@ -2,7 +2,7 @@
 `transformers.GPT2LMHeadModel` with GPT-2's tokenizer files, which the rest of the ecosystem
 reads (`from_pretrained`, `pipeline("text-generation")`, `train.py model.pretrained=<out>`).
 
-    python scripts/export_hf.py run=outputs/2026-11-23/10-00-00-1234 out=exported/
+    python -m tools.export_hf run=outputs/2026-11-23/10-00-00-1234 out=exported/
 
 Our GPT-2 has Hugging Face's module names, so the export is a copy, except that Hugging Face
 stores the attention and MLP weights as Conv1D (transposed), has no padded vocabulary rows (ours
@@ -16,26 +16,23 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a checkout without installing
+import torch
+from omegaconf import DictConfig
 
-import torch  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from data.tokenizer import VOCAB_SIZE, gpt2_encoding, verify_vocab, vocab_dir  # noqa: E402
-from model import GPT  # noqa: E402
-from model.gpt import HF_TRANSPOSED  # noqa: E402
-from recipe import checkpoint, config, errors, rundir, tools  # noqa: E402
+from data.tokenizer import VOCAB_SIZE, gpt2_encoding, verify_vocab, vocab_dir
+from model import GPT
+from model.gpt import HF_TRANSPOSED
+from recipe import checkpoint, config, errors, rundir
+from tools import loading
 
 config.register_resolvers()  # --help: conf/export_hf.yaml with its comments
 
 TOLERANCE = 1e-4  # the largest logit difference the check accepts
 
 
-@errors.app(config_name="export_hf", config_path="../conf")  # @hydra.main, its errors in one line
+@errors.app(config_name="export_hf")  # @hydra.main, its errors in one line
 def main(cfg: DictConfig) -> None:
     export_run(cfg)
 
@@ -135,7 +132,7 @@ def export_run(cfg: DictConfig) -> Path:
     if cfg.run is None:
         raise errors.ConfigError("run=<folder> is missing: the training run to export")
     out = output_folder(cfg.out, cfg.force)
-    run_dir = tools.run_dir(cfg.run)
+    run_dir = loading.run_dir(cfg.run)
     model, _ = checkpoint.load_model(run_dir, "cpu", verify=cfg.verify, which=cfg.checkpoint)
     hf = to_transformers(model)
     out.mkdir(parents=True, exist_ok=True)

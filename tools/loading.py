@@ -1,10 +1,9 @@
-"""What the after-training tools share (sample.py, scripts/evaluate.py, scripts/export_hf.py):
+"""What the after-training tools share (tools/sample.py, tools/evaluate.py, tools/export_hf.py):
 the model they read, from a run folder or from Hugging Face weights; the device and precision
 they run in. Bad input raises recipe/errors.py's classes: one line, not a traceback."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -13,12 +12,8 @@ import torch
 from omegaconf import DictConfig
 
 from model import GPT
-from opt.amp import DTYPES as AMP_DTYPES
-from opt.amp import warn_if_float16_on_cpu
-from recipe import checkpoint
+from recipe import checkpoint, precision
 from recipe.errors import ConfigError, FileRefused, MissingFile
-
-DTYPES = {"float32": torch.float32, **AMP_DTYPES}
 
 
 def run_dir(run: str | None) -> Path:
@@ -78,14 +73,7 @@ def dtype(choice: str, device: torch.device) -> torch.dtype:
     if choice == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16 else torch.float32
-    if choice not in DTYPES:
-        raise ConfigError(f"dtype={choice!r}: choose auto, {', '.join(DTYPES)}")
-    warn_if_float16_on_cpu(DTYPES[choice], device, "dtype")
-    return DTYPES[choice]
-
-
-def autocast(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast to `dtype` (as +opt=amp: the weights stay float32); nothing for float32."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    if choice not in precision.DTYPES:
+        raise ConfigError(f"dtype={choice!r}: choose auto, {', '.join(precision.DTYPES)}")
+    precision.warn_if_float16_on_cpu(precision.DTYPES[choice], device, "dtype")
+    return precision.DTYPES[choice]

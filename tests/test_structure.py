@@ -1,0 +1,149 @@
+"""The code's rooms (docs/layout.md): every import of every .py file, read with `ast`, goes to its
+own room or a lower one; nothing imports train.py but the tests; and no installed module or
+script inserts itself into sys.path (the package is installed; a script's own folder is first
+on sys.path already). tests/ may do both."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+# Lowest first. A module is in the room of the longest prefix that names it.
+ROOMS: dict[str, int] = {
+    "recipe.errors": 0,  # the error classes and the atomic writer: every room uses them
+    "recipe.files": 0,
+    "model": 1,
+    "data": 1,
+    "kernels": 1,
+    "recipe": 2,  # the trainer's plumbing
+    "opt": 3,  # the stages, which configure the plumbing
+    "train": 4,  # the programs
+    "sample": 4,
+    "tools": 4,
+    "scripts": 5,  # benchmarks, ladders and reports, which run the programs
+    "tests": 6,
+    "conftest": 6,
+}
+SCRIPTS = {p.stem for p in (ROOT / "scripts").glob("*.py")}  # imported by name, as siblings
+
+
+def module_name(path: Path) -> str:
+    """`recipe/errors.py` -> recipe.errors; a package's __init__.py is the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room(module: str) -> int | None:
+    """The room of a module of the project; None for the standard library and other packages."""
+    if module.split(".")[0] in SCRIPTS:
+        module = f"scripts.{module}"
+    while module:
+        if module in ROOMS:
+            return ROOMS[module]
+        module = module.rpartition(".")[0]
+    return None
+
+
+def imported(tree: ast.Module, name: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file of module `name`, lazy ones too; `from a import
+    b` counts as a.b where b is a module, else as a."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {(node.lineno, alias.name) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's own package, or above it
+                base = ".".join([*name.split(".")[: -node.level], *([base] if base else [])])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                file = ROOT / sub.replace(".", "/")
+                is_module = file.with_suffix(".py").exists() or file.is_dir()
+                found.add((node.lineno, sub if is_module else base))
+    return sorted(found)
+
+
+def path_edits(tree: ast.Module) -> list[int]:
+    """Lines that change sys.path: sys.path.insert/append/extend(...), or assign to it."""
+
+    def is_sys_path(node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Attribute) and node.attr == "path"
+            and isinstance(node.value, ast.Name) and node.value.id == "sys"
+        )  # fmt: skip
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("insert", "append", "extend") and is_sys_path(node.func.value):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Assign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(is_sys_path(t) for t in targets):
+                lines.append(node.lineno)
+    return lines
+
+
+def violations(path: Path, source: str) -> list[str]:
+    """What the file does against the rules at the top, one line each."""
+    name = module_name(path)
+    own = room(name)
+    where = path.relative_to(ROOT)
+    if own is None or own == ROOMS["tests"]:
+        return []
+    tree = ast.parse(source, filename=str(path))
+    found = []
+    for line, module in imported(tree, name):
+        target = room(module)
+        if target is not None and target > own:
+            found.append(f"{where}:{line}: imports {module} (room {target}) from room {own}")
+        elif module.split(".")[0] == "train" and name != "train":
+            found.append(f"{where}:{line}: imports train.py: move what it shares to a lower room")
+    found += [f"{where}:{line}: changes sys.path" for line in path_edits(tree)]
+    return found
+
+
+def python_files() -> list[Path]:
+    """Every .py file of the project, hidden folders (.git, .venv-ci, .ci) aside."""
+    return [
+        p for p in sorted(ROOT.rglob("*.py"))
+        if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+    ]  # fmt: skip
+
+
+def test_every_import_goes_to_its_own_room_or_a_lower_one() -> None:
+    files = python_files()
+    assert {"train", "sample", "tools.evaluate", "recipe.errors"} <= {module_name(p) for p in files}
+    unplaced = [str(p.relative_to(ROOT)) for p in files if room(module_name(p)) is None]
+    assert not unplaced, f"files in no room: add their folder to ROOMS: {unplaced}"
+    found = [v for p in files for v in violations(p, p.read_text(encoding="utf-8"))]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "path,source,expected",
+    [
+        ("data/x.py", "from recipe import distributed\n", "imports recipe.distributed (room 2)"),
+        ("data/x.py", "from recipe.errors import ConfigError\n", None),
+        ("recipe/x.py", "def f():\n    import opt.amp\n", "imports opt.amp (room 3)"),
+        ("recipe/x.py", "from . import generate\n", None),
+        ("recipe/errors.py", "from recipe import config\n", "imports recipe.config (room 2)"),
+        ("tools/x.py", "from train import evaluate\n", "imports train.py"),
+        ("opt/x.py", "import ablate\n", "imports ablate (room 5)"),
+        ("scripts/x.py", "import sys\nsys.path.insert(0, '.')\n", "changes sys.path"),
+        ("scripts/x.py", "import sys\nsys.path += ['.']\n", "changes sys.path"),
+        ("tests/x.py", "import sys\nfrom train import train\nsys.path.append('.')\n", None),
+    ],
+)  # fmt: skip
+def test_the_check_sees_an_upward_import_and_a_sys_path_edit(path, source, expected) -> None:
+    """The check itself, on files written here: it would fail on the old recipe/tools.py
+    (opt.amp), scripts/evaluate.py (train) and the scripts' sys.path.insert."""
+    found = violations(ROOT / path, source)
+    if expected is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and expected in found[0], found
