@@ -28,8 +28,9 @@ from recipe import checkpoint, config, distributed, errors, hellaswag, launch, r
 from recipe.evaluation import build_loaders, validation
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import cap_memory, peak_flops
-from recipe.metrics import LoopMeter, MetricLogger, memory_gib, reset_memory_peaks
+from recipe.metrics import LoopMeter, LossWindow, MetricLogger, memory_gib, reset_memory_peaks
 from recipe.profiling import Profiler
+from recipe.runstate import RunState
 from recipe.schedule import learning_rate, set_learning_rate
 from tools import generate
 
@@ -121,8 +122,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     `overrides` is the command line that built `cfg`: saved with the run, so that a resume needs
     only `train.resume=true` (and whatever it changes)."""
     started = time.perf_counter()  # goodput's wall time counts from here
-    # ---- setup: the config (on resume the saved run's, with these overrides on top), checked
-    # before any work; processes and stages; the run folder; the checkpoint; profiling; seed
+    # ---- setup: the config (on resume the saved run's, these overrides on top), checked first
     overrides = list(overrides)
     if cfg.train.resume:
         cfg, overrides = config.for_resume(run_dir, overrides)
@@ -132,34 +132,27 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
-    resumed = checkpoint.read(run_dir) if cfg.train.resume else None
-    corpus = data.corpus_identity(cfg.data)  # its sources' content, tokenizer and dtype
-    if resumed:
-        config.check_resume(resumed["config"], cfg)
-        data.check_corpus(resumed.get("corpus"), corpus)
-        if resumed["step"] >= cfg.train.max_steps:
-            return finished_already(run_dir, resumed["step"], dist)
+    run = RunState.start(run_dir, cfg)  # step 0, or the checkpoint's: config and corpus checked
+    t, max_steps = cfg.train, cfg.train.max_steps
+    if run.finished(max_steps):
+        return finished_already(run_dir, run.step, dist)
     profiler = Profiler(cfg.prof, run_dir, dist.device, enabled=dist.is_main)  # memory: from here
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
-    start_step = resumed["step"] if resumed else 0
-    start_sample = resumed["samples"] if resumed else 0  # the data position: samples consumed
-    max_steps, log_interval = cfg.train.max_steps, cfg.train.log_interval
 
     # ---- data: prepared once per machine by its first process (atomic: a shared cache is
     # safe too); the others wait on the CPU group, whose timeout outlasts a long preparation.
-    # Each rank then reads its slice of every global batch.
+    # Each rank then reads its slice of every global batch, from the run's data position on.
     if dist.is_local_main:
         data.prepare(cfg.data)
     dist.host_barrier()
-    train_loader, val_loader = build_loaders(cfg, plan, dist, start_sample)
+    train_loader, val_loader = build_loaders(cfg, plan, dist, run.samples)
     hellaswag_items = hellaswag.for_training(cfg.train, cfg.data.cache_dir)  # train.hellaswag
     batches = data.DeviceBatches(train_loader, dist.device, plan.loader.non_blocking)
 
     # ---- model, then the model stages in their fixed order (AC -> compile -> DDP/FSDP)
     with torch.device(dist.device):  # initialised in place: no host copy of the weights
         model = build_model(cfg.model)
-    if resumed:
-        checkpoint.check_shape(resumed, model.config)
+    run.check_shape(model.config)
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
 
     # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard; then
@@ -168,104 +161,56 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     scaler = plan.grad_scaler(dist.device)
     guard = NonFiniteGuard(dist.device, dist, cfg.train.max_bad_steps)
     opt.apply_optimizer_stages(optimizer, plan, guard)
-    if resumed:
-        checkpoint.restore(resumed, model, optimizer, scaler, rank=dist.rank)
+    run.restore(model, optimizer, scaler, rank=dist.rank)  # on resume: weights, optimizer, RNG
 
-    # ---- the run folder: its config, the metrics so far (on resume), the logger
+    # ---- the run folder (config, metrics so far, logger); what this run's checkpoints save
     resolved = config.resolved(cfg, model.config)
-    run_state: dict[str, Any]  # saved with every checkpoint beside the weights (filled below)
-    history = folder.cut_metrics(start_step) if folder and resumed else []
-    if folder:
-        config.save(run_dir, resolved, overrides)
-    samples_per_step = plan.batch_size * dist.world_size
-    tokens_per_step = samples_per_step * cfg.model.block_size
-    perf_args = dict(
-        tokens_per_step=tokens_per_step,
-        flops_per_token=model.flops_per_token(cfg.model.block_size),
-        peak_flops=peak_flops(dist.device, cfg.perf.peak_tflops),
-        world_size=dist.world_size,
-    )
-    run_name = cfg.wandb.name or f"{cfg.model.name}-{'+'.join(plan.stages) or 'baseline'}"
-    logger = MetricLogger(
-        run_dir, enabled=dist.is_main, max_steps=max_steps, wandb_cfg=cfg.wandb,
-        run_name=run_name, history=history, wandb_id=resumed.get("wandb_id") if resumed else None,
-        config={**resolved, "stages": plan.stages, "world_size": dist.world_size,
-                "tokens_per_step": tokens_per_step},
-    )  # fmt: skip
-    run_state = {"config": resolved, "model_config": dataclasses.asdict(model.config),
-                 "stages": plan.stages, "wandb_id": logger.wandb_id, "corpus": corpus,
-                 "optimizer_class": type(optimizer).__name__}  # fmt: skip
-    del resumed
-    distributed.log(
-        f"[train] {run_name}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "
-        f"parameters on {dist.world_size} x {dist.device.type}, {tokens_per_step:,} tokens "
-        f"per step, steps {start_step}..{max_steps}, run folder {run_dir}"
-    )
+    logger = open_run_folder(run_dir, folder, cfg, resolved, overrides, plan, dist, run)
+    run.begin(resolved, model.config, plan.stages, optimizer, logger.wandb_id,
+              samples_per_step=plan.batch_size * dist.world_size)  # fmt: skip
+    distributed.log(opening_line(cfg, run_dir, model, plan, dist, run.step))
 
     # ---- the loop. Nothing in it waits for the GPU except at log, eval and checkpoint steps.
     meter = LoopMeter(
-        dist.device, batches, perf_args, start_step=start_step, started=started,
-        measure_from=start_step + cfg.perf.warmup_steps, compiled="compile" in plan.stages,
+        dist.device, batches, perf_args(cfg, model, plan, dist), started=started,
+        warmup_steps=cfg.perf.warmup_steps, compiled="compile" in plan.stages,
     )  # fmt: skip
-    loss_sum = torch.zeros((), device=dist.device)  # summed on the device: no .item() per step
-    window_micro_steps = 0
-    step = start_step
+    losses = LossWindow(dist.device)  # summed on the device: no .item() per step
+    step = run.step
     if step == 0:
         logger.log(validation(model, val_loader, hellaswag_items, plan, dist), step)
-    t = cfg.train
-    saver = checkpoint.Saver(run_dir, dist, keep=t.keep_checkpoints, keep_best=t.keep_best,
-                             async_save=t.async_save)  # fmt: skip
-    val_loss = None  # this step's, when evaluated: keep_best's measure of a checkpoint
+    saver = checkpoint.Saver.for_run(run_dir, dist, t)  # train.checkpoint_interval, keep_*, ...
     with checkpoint.StopSignal() as stop:
         meter.start()
         while step < max_steps:
-            lr = learning_rate(
-                step, lr=cfg.train.lr, min_lr=cfg.train.min_lr,
-                warmup_steps=cfg.train.warmup_steps, max_steps=max_steps,
-            )  # fmt: skip
+            lr = learning_rate(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+                               max_steps=max_steps)  # fmt: skip
             set_learning_rate(optimizer, lr)
             inputs, targets = next(batches)
-            losses, grad_norm = train_step(
-                train_model, optimizer, scaler, inputs, targets, plan, cfg.train.grad_clip, guard
+            step_losses, grad_norm = train_step(
+                train_model, optimizer, scaler, inputs, targets, plan, t.grad_clip, guard
             )
-            loss_sum += losses
+            losses.add(step_losses, plan.micro_steps)
             meter.step()
             profiler.step()
-            window_micro_steps += plan.micro_steps
             step += 1
 
-            if step % log_interval == 0 or step == max_steps:
-                perf = meter.window()  # waits for the GPU to finish the logged steps
-                scale = scaler.get_scale() if scaler.is_enabled() else None
-                logger.log(
-                    {
-                        "train/loss": dist.mean(loss_sum / window_micro_steps).item(),
-                        "train/lr": lr,
-                        "train/grad_norm": grad_norm.item(),
-                        **guard.check(step, scale),  # stops the run after too many bad steps
-                        **perf,
-                        **memory_gib(dist.device),
-                    },
-                    step,
-                )
-                loss_sum.zero_()
-                window_micro_steps = 0
-                meter.start()
-            val_loss = None
-            if step % cfg.train.eval_interval == 0 or step == max_steps:
-                validated = validation(model, val_loader, hellaswag_items, plan, dist)
+            if step % t.log_interval == 0 or step == max_steps:
+                with meter.paused():  # the step times are read: waits for the GPU
+                    metrics = train_metrics(meter, losses, lr, grad_norm, guard, scaler, step, dist)
+                    logger.log(metrics, step)
+            val_loss = None  # this step's, when evaluated: keep_best's measure of a checkpoint
+            if step % t.eval_interval == 0 or step == max_steps:
+                with meter.paused():
+                    validated = validation(model, val_loader, hellaswag_items, plan, dist)
+                    logger.log(validated, step)
                 val_loss = validated["val/loss"]
-                logger.log(validated, step)
-                meter.start()
             stopping = dist.any_one_step_late(stop.requested)  # no barrier: agreed a step later
-            every = cfg.train.checkpoint_interval
-            if (every and (step % every == 0 or step == max_steps)) or stopping:
-                run_state["samples"] = start_sample + (step - start_step) * samples_per_step
-                saving = time.perf_counter()
-                saver.save(model, optimizer, scaler, step, run_state, val_loss)
-                if cfg.perf.checkpoint_time:  # how long the save held the loop (README)
-                    logger.log({"perf/checkpoint_s": time.perf_counter() - saving}, step)
-                meter.start()
+            if saver.due(step, stopping):
+                with meter.paused():
+                    saver.save(model, optimizer, scaler, step, run.saved(step), val_loss)
+                    if cfg.perf.checkpoint_time:  # how long the save held the loop (README)
+                        logger.log({"perf/checkpoint_s": saver.held_s}, step)
             if stopping:
                 saver.wait()  # async_save: on disk before saying so
                 launch.mark_saved_on_stop(dist.rank)  # for recipe/launch.py's exit code
@@ -275,24 +220,120 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     profiler.close()
 
     # ---- summary and samples
-    summary: dict[str, Any] = {
-        "step": step, "stages": plan.stages, "completed": step == max_steps,
-        "stopped_by": stop.signal,  # SIGTERM or SIGINT: a sweep then stops (recipe/launch.py)
-    }  # fmt: skip
-    summary |= meter.summary() | memory_gib(dist.device)  # perf: the measured steps, cold start
+    summary: dict[str, Any] = {"step": step, "stages": plan.stages, "completed": step == max_steps,
+                               "stopped_by": stop.signal,  # SIGTERM/SIGINT: a sweep then stops
+                               **meter.summary(), **memory_gib(dist.device)}  # fmt: skip
     if step == max_steps and cfg.sample.num_samples:  # every rank samples: FSDP needs them all
-        s = cfg.sample
-        texts = generate.sample(
-            model, s.prompt, num_samples=s.num_samples, max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature, top_k=s.top_k, seed=cfg.train.seed, device=dist.device,
-            autocast=plan.autocast(dist.device),
-        )  # fmt: skip
-        if dist.is_main:
-            generate.write_samples(run_dir / "samples.txt", s.prompt, texts, f"step {step}")
+        final_samples(model, cfg, plan, dist, run_dir, step)
     summary = logger.finish(summary, run_dir)
     distributed.log(closing_line(run_dir, step, max_steps))
     distributed.shutdown()
     return summary
+
+
+def tokens_per_step(cfg: DictConfig, plan: opt.Plan, dist: distributed.Distributed) -> int:
+    """Tokens in one optimizer step over all ranks."""
+    return plan.batch_size * dist.world_size * cfg.model.block_size
+
+
+def perf_args(
+    cfg: DictConfig, model: GPT, plan: opt.Plan, dist: distributed.Distributed
+) -> dict[str, Any]:
+    """What turns step times into throughput and MFU (recipe/metrics.py's `throughput`)."""
+    return dict(
+        tokens_per_step=tokens_per_step(cfg, plan, dist),
+        flops_per_token=model.flops_per_token(cfg.model.block_size),
+        peak_flops=peak_flops(dist.device, cfg.perf.peak_tflops),
+        world_size=dist.world_size,
+    )
+
+
+def run_name(cfg: DictConfig, plan: opt.Plan) -> str:
+    """The run's name on the console and in wandb: `wandb.name`, else the model and stages."""
+    return cfg.wandb.name or f"{cfg.model.name}-{'+'.join(plan.stages) or 'baseline'}"
+
+
+def open_run_folder(
+    run_dir: Path,
+    folder: rundir.RunFolder | None,
+    cfg: DictConfig,
+    resolved: dict[str, Any],
+    overrides: list[str],
+    plan: opt.Plan,
+    dist: distributed.Distributed,
+    run: RunState,
+) -> MetricLogger:
+    """Writes the run's config (rank 0 holds the `folder`) and returns the metric logger; on
+    resume it continues the metrics kept up to the checkpoint's step, in the same wandb run."""
+    history = folder.cut_metrics(run.step) if folder and cfg.train.resume else []
+    if folder:
+        config.save(run_dir, resolved, overrides)
+    return MetricLogger(
+        run_dir, enabled=dist.is_main, max_steps=cfg.train.max_steps, wandb_cfg=cfg.wandb,
+        run_name=run_name(cfg, plan), history=history, wandb_id=run.wandb_id,
+        config={**resolved, "stages": plan.stages, "world_size": dist.world_size,
+                "tokens_per_step": tokens_per_step(cfg, plan, dist)},
+    )  # fmt: skip
+
+
+def opening_line(
+    cfg: DictConfig,
+    run_dir: Path,
+    model: GPT,
+    plan: opt.Plan,
+    dist: distributed.Distributed,
+    start_step: int,
+) -> str:
+    """The run's first console line: its name, size, processes, batch, steps and folder."""
+    return (
+        f"[train] {run_name(cfg, plan)}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "
+        f"parameters on {dist.world_size} x {dist.device.type}, "
+        f"{tokens_per_step(cfg, plan, dist):,} tokens per step, steps "
+        f"{start_step}..{cfg.train.max_steps}, run folder {run_dir}"
+    )
+
+
+def train_metrics(
+    meter: LoopMeter,
+    losses: LossWindow,
+    lr: float,
+    grad_norm: torch.Tensor,
+    guard: NonFiniteGuard,
+    scaler: torch.amp.GradScaler,
+    step: int,
+    dist: distributed.Distributed,
+) -> dict[str, float | None]:
+    """A log step's metrics: the steps since the last log (their mean loss, throughput, data
+    wait, energy), this step's learning rate and gradient norm, the skipped steps, memory."""
+    perf = meter.window()  # waits for the GPU to finish the logged steps
+    scale = scaler.get_scale() if scaler.is_enabled() else None
+    return {
+        "train/loss": losses.mean(dist),
+        "train/lr": lr,
+        "train/grad_norm": grad_norm.item(),
+        **guard.check(step, scale),  # stops the run after too many bad steps
+        **perf,
+        **memory_gib(dist.device),
+    }
+
+
+def final_samples(
+    model: GPT,
+    cfg: DictConfig,
+    plan: opt.Plan,
+    dist: distributed.Distributed,
+    run_dir: Path,
+    step: int,
+) -> None:
+    """The finished run's samples (`sample.*`) into `samples.txt`; every rank generates."""
+    s = cfg.sample
+    texts = generate.sample(
+        model, s.prompt, num_samples=s.num_samples, max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature, top_k=s.top_k, seed=cfg.train.seed, device=dist.device,
+        autocast=plan.autocast(dist.device),
+    )  # fmt: skip
+    if dist.is_main:
+        generate.write_samples(run_dir / "samples.txt", s.prompt, texts, f"step {step}")
 
 
 def closing_line(run_dir: Path, step: int, max_steps: int) -> str:

@@ -29,7 +29,8 @@ written before that has none and is read unchecked.
 Besides the weights: the AMP grad scaler, the step, the data position (samples consumed, so a
 resume with another batch or GPU count continues the same data stream), every rank's RNG states,
 and what rebuilds and continues the run without its command line: the resolved config, the
-model's real shape (`model_config`, also for a pretrained start), the stages, the wandb run id.
+model's real shape (`model_config`, also for a pretrained start), the stages, the wandb run id
+(the run's state beside the weights is one object, recipe/runstate.py's `RunState`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
@@ -367,9 +369,10 @@ def save(
     run_state: dict[str, Any],
 ) -> Path:
     """Writes the run's checkpoint (sharded under FSDP, else one file), with `run_state`
-    (samples consumed, config, model_config, stages, wandb_id), and returns once it is on disk.
-    A collective: every rank must call it. Weights that are not finite are never saved: the
-    last good checkpoint stays. (A run keeps several, or saves in the background: `Saver`.)"""
+    (`RunState.saved`: samples consumed, config, model_config, stages, ...), and returns once
+    it is on disk. A collective: every rank must call it. Weights that are not finite are never
+    saved: the last good checkpoint stays. (A run keeps several, or saves in the background:
+    `Saver`.)"""
     saver = Saver(run_dir, dist)
     path = saver.save(model, optimizer, scaler, step, run_state)
     saver.close()
@@ -381,7 +384,8 @@ class Saver:
     validation loss (`keep_best`), each written whole before an older one is removed. With
     `async_save`, `save` returns once the state is in host memory and the files are written in
     the background: the next `save` (and `close`, at the run's end) waits for them, and raises
-    their failure if they failed."""
+    their failure if they failed. `due` says which steps save: every `every` steps and the last
+    (`max_steps`), or a step where the run stops."""
 
     def __init__(
         self,
@@ -391,14 +395,28 @@ class Saver:
         keep: int = 1,
         keep_best: bool = False,
         async_save: bool = False,
+        every: int = 0,
+        max_steps: int | None = None,
     ) -> None:
         self.run_dir, self.dist = run_dir, dist
         self.keep, self.keep_best, self.async_save = keep, keep_best, async_save
+        self.every, self.max_steps = every, max_steps  # train.checkpoint_interval (0: none)
+        self.held_s = 0.0  # how long the last `save` held the caller (perf.checkpoint_time)
         self._writing: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._group: Any = None  # async DCP's process group, made at its first save
         # Host copies of the state (async), reused from save to save: {size: [storages]}.
         self._buffers: dict[int, list[torch.UntypedStorage]] = {}
+
+    @classmethod
+    def for_run(cls, run_dir: Path, dist: Distributed, train: DictConfig) -> Saver:
+        """The saver that `train` (the config's train.*) asks for: its checkpoint_interval,
+        keep_checkpoints, keep_best and async_save; its last step (max_steps) saves too."""
+        return cls(
+            run_dir, dist, keep=train.keep_checkpoints, keep_best=train.keep_best,
+            async_save=train.async_save, every=train.checkpoint_interval,
+            max_steps=train.max_steps,
+        )  # fmt: skip
 
     def save(
         self,
@@ -411,6 +429,7 @@ class Saver:
     ) -> Path:
         """Saves step `step` (`val_loss`: its validation loss, if evaluated at this step: a
         candidate for the best); returns the checkpoint's path. A collective."""
+        started = time.perf_counter()
         self.wait()
         run_dir, dist = self.run_dir, self.dist
         if not _weights_finite(model, dist):
@@ -438,7 +457,14 @@ class Saver:
                 self._rotate(path, step, val_loss)
 
         self._run(finish)
+        self.held_s = time.perf_counter() - started
         return path
+
+    def due(self, step: int, stopping: bool) -> bool:
+        """Whether step `step` saves: every `every` steps and at `max_steps` (unless `every` is
+        0), and whenever the run stops early."""
+        periodic = self.every > 0 and (step % self.every == 0 or step == self.max_steps)
+        return periodic or stopping
 
     def _save_file(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]

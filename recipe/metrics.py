@@ -11,19 +11,20 @@ joules_per_token (LoopMeter.summary).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shlex
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from recipe.distributed import log
+from recipe.distributed import Distributed, log
 from recipe.files import write_text_atomically
 from recipe.rundir import seconds_since_launch
 
@@ -66,6 +67,27 @@ class StepTimer:
             return [(end - begin) * 1e3 for begin, end in pending]
         pending[-1][1].synchronize()
         return [begin.elapsed_time(end) for begin, end in pending]
+
+
+class LossWindow:
+    """The training loss over the steps since the last log, summed on the device so that a step
+    waits for nothing (no `.item()` per step); `mean` reads it, over all ranks, and starts anew."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.total = torch.zeros((), device=device)
+        self.micro_steps = 0
+
+    def add(self, losses: torch.Tensor, micro_steps: int) -> None:
+        """A step's summed micro-batch losses (train_step's), of `micro_steps` micro-batches."""
+        self.total += losses
+        self.micro_steps += micro_steps
+
+    def mean(self, dist: Distributed) -> float:
+        """The mean micro-batch loss since the last call, averaged over the ranks (a sync)."""
+        value = dist.mean(self.total / self.micro_steps).item()
+        self.total.zero_()
+        self.micro_steps = 0
+        return value
 
 
 def reset_memory_peaks(device: torch.device) -> None:
@@ -121,10 +143,11 @@ def summarize(step_ms: list[float], **kwargs: Any) -> dict[str, float | None]:
 class LoopMeter:
     """The training loop's measurements, kept out of the loop: step times (StepTimer), the host's
     wait for batches (`batches.wait_s`, data.DeviceBatches), the GPU's energy, and the run's cold
-    start and goodput. The loop calls `start()` when steps begin (and again after work that is
-    not a step: an evaluation, a checkpoint), `step()` after each step, `window()` at log points
-    (its only sync) and `summary()` at the end. Steps from `measure_from` on are the summary's.
-    `started`: `clock()` at train()'s start, where goodput's wall time begins."""
+    start and goodput. The loop calls `start()` when steps begin, `step()` after each step,
+    `window()` at log points (its only sync) and `summary()` at the end; work that is not a step
+    (logging, an evaluation, a checkpoint) runs under `with meter.paused():`. The summary's steps
+    are this run's after its first `warmup_steps`. `started`: `clock()` at train()'s start, where
+    goodput's wall time begins."""
 
     def __init__(
         self,
@@ -132,8 +155,7 @@ class LoopMeter:
         batches: Any,
         perf_args: dict[str, Any],
         *,
-        start_step: int,
-        measure_from: int,
+        warmup_steps: int,
         compiled: bool,
         started: float,
         clock: Callable[[], float] = time.perf_counter,
@@ -141,7 +163,7 @@ class LoopMeter:
         self.timer = StepTimer(device, clock)
         self.batches, self.perf_args, self.clock = batches, perf_args, clock
         self.compiled, self.started = compiled, started
-        self.first_measured = max(0, measure_from - start_step)  # its index in step_ms
+        self.first_measured = max(0, warmup_steps)  # the first measured step's index in step_ms
         self.step_ms: list[float] = []  # each step of this process, read at log points
         self.wait_ms: list[float] = []  # the host's wait for each step's batch
         self.energy = energy_counter(device)  # joules so far, or None
@@ -158,6 +180,13 @@ class LoopMeter:
             since_launch = seconds_since_launch()
             self._loop_start = self.clock() - self.started if since_launch is None else since_launch
         self._stretch = (self.energy(), len(self.wait_ms)) if self.energy else None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work that is not a step (logging, an evaluation, a checkpoint): left out of the step
+        times and of joules per token, the next step timed from its end."""
+        yield
+        self.start()
 
     def step(self) -> None:
         self.timer.step()

@@ -40,7 +40,7 @@ class FakeBatches:
 
 
 def _meter(clock: FakeClock, batches: FakeBatches, **kwargs) -> LoopMeter:
-    args = dict(start_step=0, measure_from=2, compiled=True, started=clock())
+    args = dict(warmup_steps=2, compiled=True, started=clock())
     return LoopMeter(CPU, batches, PERF_ARGS, clock=clock, **(args | kwargs))
 
 
@@ -82,7 +82,7 @@ def test_first_step_counts_from_train_without_proc_and_compile_needs_compile(mon
     monkeypatch.setattr(recipe.metrics, "seconds_since_launch", lambda: None)
     clock, batches = FakeClock(), FakeBatches()
     clock.now = 10.0
-    meter = _meter(clock, batches, compiled=False, start_step=100, measure_from=101)
+    meter = _meter(clock, batches, compiled=False, warmup_steps=1)
     clock.now += 3.0
     meter.start()
     _run_steps(meter, clock, [0.5, 0.2, 0.2], wait_s=0.0)
