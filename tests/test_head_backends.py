@@ -16,6 +16,7 @@ import subprocess
 import sys
 import types
 from argparse import Namespace
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -60,7 +61,10 @@ def fake_cce_linear_cross_entropy(e, c, targets, ignore_index: int = -100, softc
 
 
 CALLS: list[tuple[str, dict]] = []
-FAKES = {"liger": fake_liger_fused_linear_cross_entropy, "cce": fake_cce_linear_cross_entropy}
+FAKES: dict[str, Callable[..., torch.Tensor]] = {
+    "liger": fake_liger_fused_linear_cross_entropy,
+    "cce": fake_cce_linear_cross_entropy,
+}
 REAL = {  # backend: (module, function name), for the signature check where installed
     "liger": ("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy"),
     "cce": ("cut_cross_entropy", "linear_cross_entropy"),
