@@ -24,12 +24,13 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import opt
-from conftest import CONF, ROOT, load_script, python, tiny_cfg
+from conftest import CONF, ROOT, load_script, logged, python, tiny_cfg
 from kernels import library_heads, linear_cross_entropy
 from model import GPT, GPTConfig
 from opt.custom_op import apply_custom_op, check_custom_op
 from recipe.distributed import Distributed
 from recipe.errors import ConfigError
+from train import train
 
 SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 MODULES = {"liger": "liger_kernel.transformers.functional", "cce": "cut_cross_entropy"}
@@ -156,6 +157,23 @@ def test_the_model_loss_reaches_the_chosen_library(fake_libraries, backend: str)
     assert len(fake_libraries) == 1
 
 
+def test_a_run_with_the_knob_trains_through_the_library(fake_libraries, tmp_path, capsys) -> None:
+    """End to end from the command line's override: the plain head's losses, every step's loss
+    from the library (the fake)."""
+    args = ("train.max_steps=3", "train.log_interval=1", "sample.num_samples=1",
+            "wandb.mode=disabled", "train.batch_size=4")  # fmt: skip
+    train(tiny_cfg(*args), tmp_path / "plain")
+    train(tiny_cfg(*args, "+opt=custom_op", "opt.custom_op.backend=cce"), tmp_path / "cce")
+    assert "[opt] custom_op: fused head + cross-entropy from cut-cross-entropy" in (
+        capsys.readouterr().out
+    )
+    assert len(fake_libraries) >= 3 and {name for name, _ in fake_libraries} == {"cce"}
+    for key in ("train/loss", "val/loss"):
+        torch.testing.assert_close(
+            logged(tmp_path / "cce", key), logged(tmp_path / "plain", key), rtol=1e-5, atol=0
+        )
+
+
 # ---- the same numbers as the plain head (through the fakes)
 
 
@@ -251,3 +269,58 @@ def test_bench_head_times_an_installed_library_on_the_same_inputs(
         row = bench.run_variant(name, step, pool, ref, args, 1.0, cpu, **knobs)
         assert "error" not in row and row["ms"] > 0, row
         assert max(row["rel_error"].values()) < 1e-2, row  # bfloat16 against float32
+
+
+# ---- on a GPU (`pytest -m gpu tests/test_head_backends.py`, with the libraries installed)
+
+
+def _on_gpu_with(backend: str):
+    """Marks a test `gpu`; skips it without CUDA or without `backend`'s library."""
+    reason = "needs a CUDA GPU" if not torch.cuda.is_available() else library_heads.missing(backend)
+    return pytest.param(
+        backend, marks=[pytest.mark.gpu, pytest.mark.skipif(bool(reason), reason=str(reason))]
+    )
+
+
+GPU_BACKENDS = [_on_gpu_with(backend) for backend in MODULES]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_each_library_matches_the_plain_head_in_bfloat16_at_gpt2_width(backend: str) -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (0.02 * torch.randn(50304, 768, device="cuda")).bfloat16().requires_grad_()
+    targets = torch.randint(0, 50257, (4096,), device="cuda")
+    mask = torch.zeros(50304, device="cuda", dtype=torch.bfloat16)
+    mask[50257:] = float("-inf")
+    plain = F.cross_entropy(F.linear(hidden, weight, mask).float(), targets)
+    plain_grads = torch.autograd.grad(plain, (hidden, weight))
+    loss = library_heads.LOSSES[backend](hidden, weight, targets, 50257)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    torch.testing.assert_close(loss, plain, rtol=2e-3, atol=0)
+    for name, a, b in zip(("hidden", "weight"), grads, plain_grads, strict=True):
+        assert a.dtype == torch.bfloat16, name
+        error = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert error < 2e-2, (name, error)
+    assert not grads[1][50257:].any()
+
+
+@pytest.mark.parametrize("stages", ["+opt=[amp]", "+opt=[amp,compile]"])
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_training_with_each_library_on_the_gpu(tmp_path, backend: str, stages: str) -> None:
+    """The knob in a bfloat16 run (eager, and compiled: whether the library's autograd function
+    compiles, with or without graph breaks): the plain head's losses, within bfloat16's."""
+    import torch._dynamo
+
+    args = ("device=cuda", "train.log_interval=1", "sample.num_samples=0", "wandb.mode=disabled",
+            "train.max_steps=4", "model.block_size=256", "train.batch_size=16",
+            "opt.amp.dtype=bfloat16")  # fmt: skip
+    library = [stages.replace("[amp", "[custom_op,amp"), f"opt.custom_op.backend={backend}"]
+    for name, overrides in [("plain", [stages]), (backend, library)]:
+        torch._dynamo.reset()
+        train(tiny_cfg(*args, *overrides), tmp_path / name)
+    torch._dynamo.reset()
+    torch.testing.assert_close(
+        logged(tmp_path / backend, "train/loss"), logged(tmp_path / "plain", "train/loss"),
+        rtol=1e-2, atol=0,
+    )  # fmt: skip
