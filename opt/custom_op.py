@@ -8,6 +8,11 @@ ones only one chunk at a time.
 Only the loss path changes: logits without targets (sampling) still come from the plain head.
 It is a model stage applied before `ac` and `compile`: compile then traces the operator as one
 node (registered with torch.library, it breaks no graph).
+
+`backend` picks whose fused head + loss it is: `ours` (the operator above), or one a user would
+otherwise pick, `liger` (liger-kernel) or `cce` (Apple's cut-cross-entropy), called through
+kernels/library_heads.py and measured beside ours by scripts/bench_head.py. The other knobs are
+our operator's.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import functools
 from omegaconf import DictConfig
 
 from kernels import linear_cross_entropy
+from kernels.library_heads import LIBRARIES, LOSSES, missing
 from model import GPT
 from recipe.distributed import log
 from recipe.errors import ConfigError
 
 WARPS = (1, 2, 4, 8, 16, 32)
+BACKENDS = ("ours", *LIBRARIES)
 
 
 def check_custom_op(cfg: DictConfig) -> None:
@@ -34,11 +41,28 @@ def check_custom_op(cfg: DictConfig) -> None:
         raise ConfigError(f"opt.custom_op.block={cfg.block}: a power of two >= 16")
     if cfg.num_warps not in WARPS:
         raise ConfigError(f"opt.custom_op.num_warps={cfg.num_warps}: one of {WARPS}")
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"opt.custom_op.backend={cfg.backend}: one of {', '.join(BACKENDS)}")
+    if cfg.backend != "ours":
+        if cfg.float8:
+            raise ConfigError(
+                f"opt.custom_op.float8=true is our kernel's, not {cfg.backend}'s: drop it or "
+                "set opt.custom_op.backend=ours"
+            )
+        why = missing(cfg.backend)
+        if why:
+            raise ConfigError(f"opt.custom_op.backend={cfg.backend}: {why}")
 
 
 def apply_custom_op(model: GPT, cfg: DictConfig) -> None:
     """Routes the model's loss through the fused operator, with the knobs of `cfg`."""
     check_custom_op(cfg)
+    if cfg.backend != "ours":
+        model.fused_loss = functools.partial(
+            LOSSES[cfg.backend], vocab_size=model.config.vocab_size
+        )
+        log(f"[opt] custom_op: fused head + cross-entropy from {LIBRARIES[cfg.backend][0]}")
+        return
     model.fused_loss = functools.partial(
         linear_cross_entropy,
         vocab_size=model.config.vocab_size,

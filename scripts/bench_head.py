@@ -1,15 +1,19 @@
 """Op-level benchmark of +opt=custom_op: GPT-2's vocabulary head + cross-entropy, forward and
-backward, as the plain head computes it (eager and torch.compile'd) and as the fused operator
-does (kernels/linear_cross_entropy.py) at several chunk sizes and Triton kernel configurations;
-then the Triton kernel alone against a device-to-device copy of the same bytes.
+backward, as the plain head computes it (eager and torch.compile'd), as the fused operator
+does (kernels/linear_cross_entropy.py) at several chunk sizes and Triton kernel configurations,
+and as the libraries a user would pick instead do (liger-kernel's fused linear cross-entropy,
+Apple's cut-cross-entropy: kernels/library_heads.py, the `opt.custom_op.backend` choices; a
+library not installed gets a "not installed" row); then the Triton kernel alone against a
+device-to-device copy of the same bytes.
 
     python scripts/bench_head.py --out docs/results/<gpu>            # GPT-2 124M: 32768 x 768
     python scripts/bench_head.py --out <dir> --shapes gpt2 gpt2-xl   # and GPT-2 XL: 16384 x 1600
 
 Each variant: the median of `--repeats` timed forward+backward passes (CUDA events; warm-up
 excluded), inputs cycling over a few random sets; the extra peak memory of one pass over the
-inputs already allocated; and its largest error relative to the eager plain head (max |x - ref|
-/ max |ref| for the loss and both gradients). A variant that fails is reported, not fatal.
+inputs already allocated; and its largest error relative to the plain head computed in float32
+on the same inputs (max |x - ref| / max |ref| for the loss and both gradients). A variant that
+fails is reported, not fatal.
 Writes <out>/head_op.json and <out>/head_op.md and prints the table last.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -31,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 
+from kernels.library_heads import LIBRARIES, LOSSES, missing
 from kernels.linear_cross_entropy import (
     _cross_entropy_rows_torch_,
     chunked_linear_cross_entropy,
@@ -74,6 +80,16 @@ def plain_head(hidden, weight, targets, vocab_size: int = VOCAB) -> torch.Tensor
     mask = torch.zeros(weight.shape[0], device=hidden.device, dtype=hidden.dtype)
     mask[vocab_size:] = float("-inf")
     return F.cross_entropy(F.linear(hidden, weight, mask).float(), targets)
+
+
+def float32_reference(x: Inputs) -> Result:
+    """The plain head in float32 on the same (bfloat16) inputs: what every variant is judged by,
+    the eager bfloat16 plain head included."""
+    hidden = x.hidden.detach().float().requires_grad_()
+    weight = x.weight.detach().float().requires_grad_()
+    loss = plain_head(hidden, weight, x.targets)
+    loss.backward()
+    return loss.detach(), hidden.grad, weight.grad  # type: ignore[return-value]
 
 
 def autograd_step(loss_fn: Callable) -> Step:
@@ -149,11 +165,16 @@ def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def run_variant(name: str, step: Step, pool: list[Inputs], ref: Result | None, args, flops: float,
+def run_variant(name: str, step: Step, pool: list[Inputs], ref: Result, args, flops: float,
                 device: torch.device, **knobs) -> dict:  # fmt: skip
     row = {"variant": name, **knobs}
     try:
-        result = [t.detach().clone() for t in step(pool[0])]
+        result = step(pool[0])
+        keys = ("loss", "grad_hidden", "grad_weight")
+        row["rel_error"] = {
+            k: relative_error(a, b) for k, a, b in zip(keys, result, ref, strict=True)
+        }
+        del result
         times = time_ms(step, pool, args.repeats, device)
         ms = statistics.median(times)
         row |= {
@@ -162,12 +183,6 @@ def run_variant(name: str, step: Step, pool: list[Inputs], ref: Result | None, a
             "tflops": flops / ms / 1e9,
             "extra_peak_gib": extra_peak_gib(step, pool[0], device),
         }
-        if ref is not None:
-            keys = ("loss", "grad_hidden", "grad_weight")
-            row["rel_error"] = {
-                k: relative_error(a, b) for k, a, b in zip(keys, result, ref, strict=True)
-            }
-        row["result"] = result
     except Exception as e:  # noqa: BLE001 - a failed variant is a finding, not the end
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     finally:
@@ -176,6 +191,22 @@ def run_variant(name: str, step: Step, pool: list[Inputs], ref: Result | None, a
             torch.cuda.empty_cache()
     print(f"  {name}: {row.get('ms', float('nan')):.2f} ms {row.get('error', '')}", flush=True)
     return row
+
+
+def library_variants() -> tuple[list[tuple[str, Step, dict]], list[dict]]:
+    """The libraries' fused heads (`opt.custom_op.backend`) to time, and a "not installed" row
+    for each that cannot be imported here."""
+    variants, absent = [], []
+    for backend, (package, _, _) in LIBRARIES.items():
+        why = missing(backend)
+        if why:
+            print(f"  {package}: not installed ({why})", flush=True)
+            absent.append({"variant": package, "backend": backend, "status": "not installed",
+                           "detail": why})  # fmt: skip
+            continue
+        name = f"{package} {importlib.metadata.version(package)}"
+        variants.append((name, autograd_step(LOSSES[backend]), {"backend": backend}))
+    return variants, absent
 
 
 def bench_shape(shape: str, tokens: int, width: int, args, device: torch.device) -> list[dict]:
@@ -202,17 +233,14 @@ def bench_shape(shape: str, tokens: int, width: int, args, device: torch.device)
         variants.append((f"op chunk={DEFAULT_CHUNK}, torch.compile'd", step, {}))
     name = f"PyTorch reference chunk={DEFAULT_CHUNK} (no Triton)"
     variants.append((name, reference_step(DEFAULT_CHUNK), {"chunk_size": DEFAULT_CHUNK}))
+    libraries, absent = library_variants()
 
-    rows, ref = [], None
-    for name, step, knobs in variants:
+    ref = float32_reference(pool[0])
+    rows = []
+    for name, step, knobs in variants + libraries:
         row = run_variant(name, step, pool, ref, args, flops, device, **knobs)
-        if ref is None:  # the eager plain head is the reference of the others
-            if "result" not in row:
-                raise RuntimeError(f"the reference (eager plain head) failed: {row['error']}")
-            ref = row["result"]
-            row["rel_error"] = {"loss": 0.0, "grad_hidden": 0.0, "grad_weight": 0.0}
-        row.pop("result", None)
         rows.append({"shape": shape, "tokens": tokens, "width": width, **row})
+    rows += [{"shape": shape, "tokens": tokens, "width": width, **row} for row in absent]
     del pool, ref
     return rows
 
@@ -267,7 +295,8 @@ def markdown(report: dict) -> str:
         f"triton {report['triton']}, {report['date']}, commit {report['commit']}.",
         "Forward + backward of GPT-2's head and loss in bfloat16 (vocabulary 50257 padded to "
         f"50304); median of {report['repeats']} passes; extra peak = the pass's peak memory above "
-        "its inputs and their gradients; errors relative to the eager plain head.",
+        "its inputs and their gradients; errors relative to the plain head in float32 on the "
+        "same inputs.",
         "",
     ]
     for shape in dict.fromkeys(r["shape"] for r in report["head"]):
@@ -282,8 +311,9 @@ def markdown(report: dict) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            if "error" in r:
-                lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | |")
+            if "error" in r or "status" in r:
+                why = f"failed: {r['error']}" if "error" in r else f"{r['status']}: {r['detail']}"
+                lines.append(f"| {r['variant']} | {why} | | | | | | |")
                 continue
             err = r.get("rel_error", {})
             speedup = compiled / r["ms"] if compiled else None

@@ -298,7 +298,7 @@ def test_compiled_training_with_the_stage_matches_eager(tmp_path) -> None:
 
 def test_the_benchmark_harness_runs_and_reports(tmp_path) -> None:
     """scripts/bench_head.py is a GPU benchmark; on the CPU its harness (variants, errors against
-    the plain head, reports, a failing variant recorded rather than fatal) still runs."""
+    the plain head in float32, reports, a failing variant recorded rather than fatal) still runs."""
     spec = importlib.util.spec_from_file_location("bench_head", ROOT / "scripts/bench_head.py")
     bench_head = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(bench_head)
@@ -306,7 +306,7 @@ def test_the_benchmark_harness_runs_and_reports(tmp_path) -> None:
             "--repeats", "1", "--no-compile"]  # fmt: skip
     report = bench_head.main(argv)
     rows = {r["variant"]: r for r in report["head"]}
-    assert rows["eager plain head"]["rel_error"]["loss"] == 0
+    assert max(rows["eager plain head"]["rel_error"].values()) < 1e-2  # bfloat16 vs float32
     fused = [r for name, r in rows.items() if name.startswith("op ")]
     assert len(fused) == 13
     for r in fused:  # float8 changes the math: a looser bound
