@@ -97,7 +97,7 @@ def train_step(
     )
     for micro_step, (x, y) in enumerate(micro_batches):
         last = micro_step == plan.micro_steps - 1
-        with opt.gradient_sync(train_model, last or not plan.defer_reduce):
+        with opt.gradient_sync(train_model, last or not plan.defer_reduce), plan.loss_context():
             with plan.autocast(inputs.device):
                 _, loss = train_model(x, y)
             scaler.scale(loss / plan.micro_steps).backward()
@@ -128,7 +128,11 @@ def evaluate(
     model.eval()
     total, count = torch.zeros((), device=dist.device), 0
     for inputs, targets in data.DeviceBatches(val_loader, dist.device, plan.loader.non_blocking):
-        with torch.compiler.set_stance("force_eager"), plan.autocast(dist.device):
+        with (
+            torch.compiler.set_stance("force_eager"),
+            plan.autocast(dist.device),
+            plan.loss_context(),
+        ):
             total += model(inputs, targets)[1] * len(inputs)
         count += len(inputs)
     model.train()
@@ -164,7 +168,7 @@ def build_loaders(
         vocab_size=cfg.model.vocab_size,
     )  # fmt: skip
     loader_args = dict(
-        rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed, options=plan.loader
+        rank=dist.dp_rank, world_size=dist.dp_size, seed=cfg.train.seed, options=plan.loader
     )
     train_loader = data.build_loader(
         splits["train"], plan.batch_size, start_sample=start_sample, **loader_args
@@ -190,6 +194,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
+    dist = dist.with_mesh(tp=plan.tp_degree)  # +opt=tp: the processes as a dp x tp mesh
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
     resumed = checkpoint.read(run_dir) if cfg.train.resume else None
     corpus = data.corpus_identity(cfg.data)  # its sources' content, tokenizer and dtype
@@ -236,7 +241,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     history = folder.cut_metrics(start_step) if folder and resumed else []
     if folder:
         config.save(run_dir, resolved, overrides)
-    samples_per_step = plan.batch_size * dist.world_size
+    samples_per_step = plan.batch_size * dist.dp_size  # a tp group reads one batch
     tokens_per_step = samples_per_step * cfg.model.block_size
     perf_args = dict(
         tokens_per_step=tokens_per_step,

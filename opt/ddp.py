@@ -50,6 +50,7 @@ def apply_ddp(
     ddp = DistributedDataParallel(
         model,
         device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
+        device_mesh=dist.mesh["dp"] if dist.mesh is not None else None,  # +opt=tp: its replicas
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         static_graph=cfg.static_graph,
@@ -59,7 +60,7 @@ def apply_ddp(
     if (hook := COMM_HOOKS[cfg.comm_hook]) is not None:
         ddp.register_comm_hook(None, hook)
     knobs = ", ".join(f"{k}={v}" for k, v in cfg.items())
-    log(f"[opt] ddp: {dist.world_size} processes, {knobs}")
+    log(f"[opt] ddp: {dist.dp_size} processes, {knobs}")
     return ddp
 
 
