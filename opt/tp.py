@@ -90,10 +90,10 @@ class _StridedColwise(ColwiseParallel):
             shard = distribute_tensor(param, device_mesh, strided)
             module.register_parameter(param_name, nn.Parameter(shard, param.requires_grad))
 
-        def forward(x: DTensor) -> DTensor:
+        def forward(x: DTensor) -> torch.Tensor:
             rows = [
                 None if p is None else DTensor.from_local(p.to_local(), device_mesh, [Shard(0)])
-                for p in (module.weight, module.bias)
+                for p in (module.weight, module.bias)  # differentiable: grads keep the strides
             ]
             return F.linear(x, *rows)
 
@@ -149,15 +149,15 @@ def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
         else:
             _replicate(module, mesh)
 
-    t = model.transformer
+    t = model.transformer  # a ModuleDict: indexed, its entries are modules
     # The embedding split over the vocabulary like the head it is tied to; its partial sums
     # reduced (scattered over the sequence under sequence parallelism).
     parallelize_module(
-        t.wte, mesh,
+        t["wte"], mesh,
         RowwiseParallel(input_layouts=Replicate(), output_layouts=residual, use_local_output=False),
     )  # fmt: skip
-    _replicate(t.wpe, mesh, input_fn=_positions_as_dtensor)
-    for block in t.h:
+    _replicate(t["wpe"], mesh, input_fn=_positions_as_dtensor)
+    for block in model.transformer.h:
         norm(block.ln_1)
         norm(block.ln_2)
         sublayer_input = PrepareModuleInput(
@@ -172,14 +172,15 @@ def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
             "mlp.c_proj": RowwiseParallel(output_layouts=residual, use_local_output=False),
         })  # fmt: skip
         block.attn.n_head //= cfg.degree  # the heads this rank computes
-    norm(t.ln_f)
+    norm(t["ln_f"])
     # The head multiplies the whole sequence by the vocabulary shards: gather it after ln_f.
     parallelize_module(
-        t.ln_f, mesh,
+        t["ln_f"], mesh,
         PrepareModuleOutput(output_layouts=residual, desired_output_layouts=Replicate(),
                             use_local_output=False),
     )  # fmt: skip
-    model.lm_head.weight = t.wte.weight  # tied again: the split made a new parameter
+    # Tied again: the split made a new parameter.
+    model.lm_head.weight = t["wte"].weight  # type: ignore[assignment]
     model.vocab_pad_mask = distribute_tensor(model.vocab_pad_mask, mesh, [Shard(0)])
     model.register_forward_pre_hook(_replicated_targets(mesh), with_kwargs=True)
     model.register_forward_hook(_plain_outputs)
