@@ -41,16 +41,18 @@ def default_knobs() -> DictConfig:
 
 def apply_ddp(
     model: torch.nn.Module, cfg: DictConfig | None, dist: Distributed
-) -> DistributedDataParallel:
-    """Wraps `model` in DDP with the knobs `cfg` (None: conf/opt/ddp.yaml's)."""
+) -> torch.nn.Module:
+    """Wraps `model` in DDP with the knobs `cfg` (None: conf/opt/ddp.yaml's); under +opt=tp,
+    replicates it over the mesh's data-parallel dimension instead."""
     cfg = default_knobs() if cfg is None else cfg
     check_ddp(cfg)
+    if dist.mesh is not None:  # +opt=tp: DTensor parameters, which DDP's reducer cannot take
+        return _replicate_dtensors(model, dist)
     # Read when compile first traces the model inside DDP's forward, i.e. after this.
     torch._dynamo.config.optimize_ddp = cfg.optimize_ddp
     ddp = DistributedDataParallel(
         model,
         device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
-        device_mesh=dist.mesh["dp"] if dist.mesh is not None else None,  # +opt=tp: its replicas
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         static_graph=cfg.static_graph,
@@ -62,6 +64,17 @@ def apply_ddp(
     knobs = ", ".join(f"{k}={v}" for k, v in cfg.items())
     log(f"[opt] ddp: {dist.dp_size} processes, {knobs}")
     return ddp
+
+
+def _replicate_dtensors(model: torch.nn.Module, dist: Distributed) -> torch.nn.Module:
+    """DDP's math for +opt=tp's DTensor parameters over the mesh's data-parallel dimension:
+    FSDP2's `replicate` (gradients all-reduced, no sharding); DDP's knobs do not apply."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    assert dist.mesh is not None
+    replicate(model, mesh=dist.mesh["dp"])
+    log(f"[opt] ddp: {dist.dp_size} replicas of each tp shard (FSDP2 replicate)")
+    return model
 
 
 def check_ddp(cfg: DictConfig) -> None:
