@@ -39,9 +39,7 @@ def default_knobs() -> DictConfig:
     return OmegaConf.load(KNOBS).ddp
 
 
-def apply_ddp(
-    model: torch.nn.Module, cfg: DictConfig | None, dist: Distributed
-) -> torch.nn.Module:
+def apply_ddp(model: torch.nn.Module, cfg: DictConfig | None, dist: Distributed) -> torch.nn.Module:
     """Wraps `model` in DDP with the knobs `cfg` (None: conf/opt/ddp.yaml's); under +opt=tp,
     replicates it over the mesh's data-parallel dimension instead."""
     cfg = default_knobs() if cfg is None else cfg

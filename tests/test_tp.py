@@ -129,14 +129,15 @@ def test_a_checkpoint_resumes_across_layouts(runs, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_probe_layouts_and_compile(tmp_path) -> None:
-    """Each layout (sequence and loss parallel on or off) steps as the plain model does, and
+    """Each layout (sequence and loss parallel on or off) steps as the plain model does (with
+    activation checkpointing and accumulation too), and
     compile (scope model or block, aot_eager) neither breaks the graph nor runs eagerly."""
     _torchrun(2, "tests/tp_probe.py", str(tmp_path))
     found = json.loads((tmp_path / "found.json").read_text())
     assert found.pop("local_fraction") < 0.6  # the matmuls split in two, the norms whole
     plain = found.pop("plain")
     compiled = found.pop("compiled")
-    assert len(found) == 4
+    assert len(found) == 5  # 4 layouts, and tp with activation checkpointing and accumulation
     for layout, losses in found.items():
         torch.testing.assert_close(losses, plain, rtol=1e-6, atol=0, msg=layout)
     for scope, seen in compiled.items():

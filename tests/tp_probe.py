@@ -88,6 +88,8 @@ for sp in (True, False):
     for lp in (True, False):
         tp = {"sequence_parallel": sp, "loss_parallel": lp}
         found[f"tp sp={sp} lp={lp}"] = _losses("tp", tp=tp)
+# Recomputed, in two micro-batches (train_step returns their losses' sum).
+found["tp ac accum"] = [s / 2 for s in _losses("tp", "ac", "accum", accum={"steps": 2})]
 found["compiled"] = {"model": _compiled(), "block": _compiled(scope="block")}
 found["local_fraction"] = _local_fraction()
 if world.is_main:
