@@ -131,7 +131,8 @@ def test_a_checkpoint_resumes_across_layouts(runs, name: str) -> None:
 def test_probe_layouts_and_compile(tmp_path) -> None:
     """Each layout (sequence and loss parallel on or off) steps as the plain model does (with
     activation checkpointing and accumulation too), and
-    compile (scope model or block, aot_eager) neither breaks the graph nor runs eagerly."""
+    compile (scope model or block, and in fullgraph pieces under FSDP; aot_eager) neither
+    breaks the graph nor runs eagerly."""
     _torchrun(2, "tests/tp_probe.py", str(tmp_path))
     found = json.loads((tmp_path / "found.json").read_text())
     assert found.pop("local_fraction") < 0.6  # the matmuls split in two, the norms whole
@@ -140,6 +141,7 @@ def test_probe_layouts_and_compile(tmp_path) -> None:
     assert len(found) == 5  # 4 layouts, and tp with activation checkpointing and accumulation
     for layout, losses in found.items():
         torch.testing.assert_close(losses, plain, rtol=1e-6, atol=0, msg=layout)
+    assert sorted(compiled) == ["block", "fsdp", "model"]
     for scope, seen in compiled.items():
         torch.testing.assert_close(seen["losses"], plain, rtol=1e-6, atol=0, msg=scope)
         clean = {"graph_breaks": 0, "unimplemented": 0, "frames_skipped": 0}

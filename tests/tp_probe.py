@@ -55,12 +55,12 @@ def _losses(*stages: str, **knobs: dict) -> list[float]:
     return losses
 
 
-def _compiled(**knobs: Any) -> dict:
+def _compiled(*stages: str, **knobs: Any) -> dict:
     """The losses of +opt=[tp,compile] (aot_eager), and what dynamo did meanwhile: graph breaks,
     unsupported code (each a break), frames it gave up on (run eagerly), graphs captured."""
     torch._dynamo.reset()
     counters.clear()
-    losses = _losses("tp", "compile", compile={"backend": "aot_eager", **knobs})
+    losses = _losses("tp", *stages, "compile", compile={"backend": "aot_eager", **knobs})
     frames = counters["frames"]
     breaks = [*counters["graph_break"], *counters["unimplemented"]]
     return {
@@ -90,7 +90,11 @@ for sp in (True, False):
         found[f"tp sp={sp} lp={lp}"] = _losses("tp", tp=tp)
 # Recomputed, in two micro-batches (train_step returns their losses' sum).
 found["tp ac accum"] = [s / 2 for s in _losses("tp", "ac", "accum", accum={"steps": 2})]
-found["compiled"] = {"model": _compiled(), "block": _compiled(scope="block")}
+found["compiled"] = {
+    "model": _compiled(),
+    "block": _compiled(scope="block"),
+    "fsdp": _compiled("fsdp"),  # in pieces between FSDP's hooks: each block, embed, head
+}
 found["local_fraction"] = _local_fraction()
 if world.is_main:
     (Path(sys.argv[1]) / "found.json").write_text(json.dumps(found))
