@@ -12,9 +12,9 @@ order, whatever order they were listed in:
               -> ddp | fsdp | offload        splits the matmuls (checkpointing recomputes and
                                              compile traces the DTensor program; FSDP and DDP
                                              take the data-parallel dimension of its mesh);
-                                             checkpointing is applied
-                                             before compile so that compile traces the
-                                             recomputation; compile works on the plain module,
+                                             checkpointing is applied before compile so that
+                                             compile traces the recomputation; compile works
+                                             on the module (DTensors included),
                                              before the data-parallel wrappers (and offload's
                                              FSDP) hook into its parameters and gradients.
     step      opt_in_backward                last, on the built optimizer: it hooks the
