@@ -100,7 +100,7 @@ def train_step(
     )
     for micro_step, (x, y) in enumerate(micro_batches):
         last = micro_step == plan.micro_steps - 1
-        with opt.gradient_sync(train_model, last or not plan.defer_reduce):
+        with opt.gradient_sync(train_model, last or not plan.defer_reduce), plan.loss_context():
             with plan.autocast(inputs.device):
                 _, loss = train_model(x, y)
             scaler.scale(loss / plan.micro_steps).backward()
@@ -131,6 +131,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
+    dist = dist.with_mesh(tp=plan.tp_degree)  # +opt=tp: the processes as a dp x tp mesh
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
     run = RunState.start(run_dir, cfg)  # step 0, or the checkpoint's: config and corpus checked
     t, max_steps = cfg.train, cfg.train.max_steps
@@ -167,7 +168,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     resolved = config.resolved(cfg, model.config)
     logger = open_run_folder(run_dir, folder, cfg, resolved, overrides, plan, dist, run)
     run.begin(resolved, model.config, plan.stages, optimizer, logger.wandb_id,
-              samples_per_step=plan.batch_size * dist.world_size)  # fmt: skip
+              samples_per_step=plan.batch_size * dist.dp_size)  # fmt: skip
     distributed.log(opening_line(cfg, run_dir, model, plan, dist, run.step))
 
     # ---- the loop. Nothing in it waits for the GPU except at log, eval and checkpoint steps.
@@ -233,7 +234,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
 
 def tokens_per_step(cfg: DictConfig, plan: opt.Plan, dist: distributed.Distributed) -> int:
     """Tokens in one optimizer step over all ranks."""
-    return plan.batch_size * dist.world_size * cfg.model.block_size
+    return plan.batch_size * dist.dp_size * cfg.model.block_size  # a tp group reads one batch
 
 
 def perf_args(

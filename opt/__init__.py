@@ -7,10 +7,14 @@ order, whatever order they were listed in:
     numerics  tf32 -> amp                    the precision the step runs in
     optimizer forloop | foreach | fused      AdamW's implementation, or torchao's low-bit AdamW
               | lowbit
-    model     custom_op -> ac -> compile     the fused head + loss replaces a piece of the model
-              -> ddp | fsdp | offload        before anything wraps it; checkpointing is applied
-                                             before compile so that compile traces the
-                                             recomputation; compile works on the plain module,
+    model     custom_op -> tp -> ac          the fused head + loss replaces a piece of the model
+              -> compile                     before anything wraps it; tensor parallelism then
+              -> ddp | fsdp | offload        splits the matmuls (checkpointing recomputes and
+                                             compile traces the DTensor program; FSDP and DDP
+                                             take the data-parallel dimension of its mesh);
+                                             checkpointing is applied before compile so that
+                                             compile traces the recomputation; compile works
+                                             on the module (DTensors included),
                                              before the data-parallel wrappers (and offload's
                                              FSDP) hook into its parameters and gradients.
     step      opt_in_backward                last, on the built optimizer: it hooks the
@@ -31,7 +35,7 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from data import LoaderOptions
-from model import GPT
+from model import GPT, GPTConfig
 from opt.ac import apply_ac, check_ac
 from opt.accum import apply_accum, gradient_sync
 from opt.amp import apply_amp
@@ -46,8 +50,9 @@ from opt.offload import apply_offload, offloads
 from opt.opt_in_backward import apply_opt_in_backward
 from opt.optimizer_impl import IMPLEMENTATIONS, apply_optimizer_impl
 from opt.tf32 import apply_tf32
+from opt.tp import apply_tp, check_tp, check_tp_model, tp_loss_context
 from opt.workers import apply_workers
-from recipe.distributed import Distributed
+from recipe.distributed import Distributed, mesh_shape
 from recipe.errors import ConfigError
 from recipe.guard import NonFiniteGuard
 
@@ -56,7 +61,7 @@ ORDER = (
     "workers", "non_blocking",
     "tf32", "amp",
     *IMPLEMENTATIONS, "lowbit",
-    "custom_op", "ac", "compile", "ddp", "fsdp", "offload",
+    "custom_op", "tp", "ac", "compile", "ddp", "fsdp", "offload",
     "opt_in_backward",
 )  # fmt: skip
 
@@ -82,6 +87,8 @@ class Plan:
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW  # lowbit: torchao's
     optimizer_kwargs: dict = field(default_factory=dict)
     step_in_backward: bool = False  # opt_in_backward: each parameter steps from its grad hook
+    tp_degree: int = 1  # +opt=tp: ranks per tensor-parallel group (Distributed.with_mesh)
+    vocab_parallel_loss: bool = False  # +opt=tp's loss_parallel: see loss_context
 
     @property
     def micro_batch_size(self) -> int:
@@ -94,10 +101,16 @@ class Plan:
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         """The loss scaler: a no-op unless float16. Under FSDP each rank checks only its own
         gradient shards for overflow, so the ranks must agree on skipping a step: the
-        ShardedGradScaler all-reduces that verdict (it also unscales offloaded gradients)."""
-        if self.scale_loss and self.sharded(device):
+        ShardedGradScaler all-reduces that verdict (it also unscales offloaded gradients).
+        So does +opt=tp, whose ranks hold shards of the gradients too."""
+        if self.scale_loss and (self.sharded(device) or "tp" in self.stages):
             return ShardedGradScaler(device.type)
         return torch.amp.GradScaler(device.type, enabled=self.scale_loss)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """What the loss's forward and backward run in: +opt=tp's `loss_parallel()` (the
+        cross-entropy on vocabulary shards), else nothing."""
+        return tp_loss_context(self.vocab_parallel_loss)
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         """Autocast to the amp dtype; none under FSDP with mixed_precision=pure, whose
@@ -138,6 +151,10 @@ CONFLICTS = {
     "the processes",
     ("opt_in_backward", "offload"): "offload steps AdamW on the CPU after backward, "
     "opt_in_backward on the GPU during it",
+    ("tp", "custom_op"): "the fused head + cross-entropy has no vocabulary-parallel form",
+    ("tp", "offload"): "offload runs in one process, tp over several",
+    ("tp", "opt_in_backward"): "each parameter would step before its gradient is reduced over "
+    "the tensor-parallel ranks",
 }
 # Stages for one process: a multi-process run wraps the model in DDP, whose gradient reduction
 # runs after the hooks that step (opt_in_backward), or shards it (offload's one-process FSDP).
@@ -151,7 +168,7 @@ SINGLE_PROCESS = {
 # model built (the other stages are applied, and so checked, in `plan` itself).
 KNOB_CHECKS = {
     "custom_op": check_custom_op, "ac": check_ac, "compile": check_compile, "ddp": check_ddp,
-    "fsdp": check_fsdp,
+    "fsdp": check_fsdp, "tp": check_tp,
 }  # fmt: skip
 
 
@@ -176,6 +193,12 @@ def check(stages: list[str], dist: Distributed) -> None:
             "+opt=fsdp shards the model over processes, but this is a single process: launch "
             "with `torchrun --nproc_per_node=N train.py ...` (N >= 2), or, resuming an FSDP run "
             "in one process, drop the stage: '~opt=fsdp'"
+        )
+    if "tp" in stages and not dist.enabled:
+        raise ConfigError(
+            "+opt=tp splits the model over processes, but this is a single process: launch "
+            "with `torchrun --nproc_per_node=N train.py ...` (N a multiple of opt.tp.degree), "
+            "or, resuming a tp run in one process, drop the stage: '~opt=tp'"
         )
     if "ddp" in stages and not dist.enabled:
         warnings.warn(
@@ -211,10 +234,25 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
             p.optimizer_kwargs = apply_optimizer_impl(impl, device)
     if "lowbit" in stages:
         p.optimizer_class = apply_lowbit(opt.lowbit)
+    if "tp" in stages:
+        p.tp_degree = plan_tp(cfg, dist)
+        p.vocab_parallel_loss = opt.tp.loss_parallel
     if "opt_in_backward" in stages:
         check_step_in_backward(cfg.train.grad_clip, p.scale_loss)
         p.step_in_backward = True
     return p
+
+
+def plan_tp(cfg: DictConfig, dist: Distributed) -> int:
+    """+opt=tp's degree, checked against the process count and the model before any work (the
+    trainer builds the mesh from it: `dist.with_mesh(tp=plan.tp_degree)`)."""
+    degree = cfg.opt.tp.degree
+    mesh_shape(dist.world_size, 1, degree)  # refuses a process count that degree does not divide
+    m = cfg.model  # a pretrained model's own shape is checked again by apply_tp
+    shape = GPTConfig(n_head=m.n_head, n_embd=m.n_embd, vocab_size=m.vocab_size,
+                      pad_vocab_to=m.pad_vocab_to)  # fmt: skip
+    check_tp_model(degree, shape)
+    return degree
 
 
 def check_step_in_backward(grad_clip: float, scale_loss: bool) -> None:
@@ -242,6 +280,8 @@ def apply_model_stages(model: GPT, opt: DictConfig, p: Plan, dist: Distributed) 
     model.residual_dtype = p.residual_dtype  # opt.amp.residual (planned with the numerics)
     if "custom_op" in p.stages:
         apply_custom_op(model, opt.custom_op)
+    if "tp" in p.stages:
+        apply_tp(model, opt.tp, dist)
     if "ac" in p.stages:
         apply_ac(model, opt.ac)
     if "compile" in p.stages:
@@ -250,7 +290,7 @@ def apply_model_stages(model: GPT, opt: DictConfig, p: Plan, dist: Distributed) 
         return apply_fsdp(model, opt.fsdp, dist, p.amp_dtype)
     if "offload" in p.stages:
         return apply_offload(model, opt.offload, dist, p.amp_dtype)
-    if dist.enabled:
+    if dist.dp_size > 1:  # replicas to keep in step (a tp group alone needs none)
         return apply_ddp(model, opt.get("ddp"), dist)
     return model
 

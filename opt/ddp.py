@@ -39,12 +39,13 @@ def default_knobs() -> DictConfig:
     return OmegaConf.load(KNOBS).ddp
 
 
-def apply_ddp(
-    model: torch.nn.Module, cfg: DictConfig | None, dist: Distributed
-) -> DistributedDataParallel:
-    """Wraps `model` in DDP with the knobs `cfg` (None: conf/opt/ddp.yaml's)."""
+def apply_ddp(model: torch.nn.Module, cfg: DictConfig | None, dist: Distributed) -> torch.nn.Module:
+    """Wraps `model` in DDP with the knobs `cfg` (None: conf/opt/ddp.yaml's); under +opt=tp,
+    replicates it over the mesh's data-parallel dimension instead."""
     cfg = default_knobs() if cfg is None else cfg
     check_ddp(cfg)
+    if dist.mesh is not None:  # +opt=tp: DTensor parameters, which DDP's reducer cannot take
+        return _replicate_dtensors(model, dist)
     # Read when compile first traces the model inside DDP's forward, i.e. after this.
     torch._dynamo.config.optimize_ddp = cfg.optimize_ddp
     ddp = DistributedDataParallel(
@@ -59,8 +60,19 @@ def apply_ddp(
     if (hook := COMM_HOOKS[cfg.comm_hook]) is not None:
         ddp.register_comm_hook(None, hook)
     knobs = ", ".join(f"{k}={v}" for k, v in cfg.items())
-    log(f"[opt] ddp: {dist.world_size} processes, {knobs}")
+    log(f"[opt] ddp: {dist.dp_size} processes, {knobs}")
     return ddp
+
+
+def _replicate_dtensors(model: torch.nn.Module, dist: Distributed) -> torch.nn.Module:
+    """DDP's math for +opt=tp's DTensor parameters over the mesh's data-parallel dimension:
+    FSDP2's `replicate` (gradients all-reduced, no sharding); DDP's knobs do not apply."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    assert dist.mesh is not None
+    replicate(model, mesh=dist.mesh["dp"])
+    log(f"[opt] ddp: {dist.dp_size} replicas of each tp shard (FSDP2 replicate)")
+    return model
 
 
 def check_ddp(cfg: DictConfig) -> None:

@@ -56,13 +56,15 @@ def apply_fsdp(
         )
     if cfg.cpu_offload:  # pinned host memory speeds up copies to a GPU (pinning needs one)
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda")
+    if dist.mesh is not None:  # +opt=tp: shard over the data-parallel dimension of its mesh
+        kwargs["mesh"] = dist.mesh["dp"]
     for block in model.transformer.h:
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     # The root's parameters (embeddings, final norm) are needed again at once by the tied head.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     precision = "float32" if amp_dtype is None else f"{amp_dtype} ({cfg.mixed_precision})"
     log(
-        f"[opt] fsdp: {dist.world_size} shards, reshard_after_forward={cfg.reshard_after_forward}"
+        f"[opt] fsdp: {dist.dp_size} shards, reshard_after_forward={cfg.reshard_after_forward}"
         f", cpu_offload={cfg.cpu_offload}, compute in {precision}"
     )
     return model

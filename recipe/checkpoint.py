@@ -68,7 +68,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from data import integrity
 from recipe.distributed import Distributed, log
@@ -346,6 +347,38 @@ def _tied(model: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
+def _strided(value: Any) -> bool:
+    """A DTensor split in strides (+opt=tp's fused QKV: each rank a slice of q, of k and of v),
+    which DCP cannot describe: its shards are not one block each."""
+    return isinstance(value, DTensor) and any(
+        isinstance(p, _StridedShard) for p in value.placements
+    )
+
+
+def _map_strided(tree: Any, fn: Callable[[DTensor, Any], Any], like: Any = None) -> Any:
+    """`tree` with `fn(tensor, its counterpart in like)` in place of each strided DTensor."""
+    if isinstance(tree, dict):
+        return {k: _map_strided(v, fn, like.get(k) if like else None) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(
+            _map_strided(v, fn, like[i] if like else None) for i, v in enumerate(tree)
+        )
+    return fn(tree, like) if _strided(like if like is not None else tree) else tree
+
+
+def _dcp_layout(tree: Any) -> Any:
+    """`tree` with its strided DTensors replicated (gathered: saved once, in GPT-2's layout), so
+    that DCP saves and loads them; `_own_layout` splits them back."""
+    return _map_strided(
+        tree, lambda t, _: t.redistribute(placements=[Replicate()] * t.device_mesh.ndim)
+    )
+
+
+def _own_layout(tree: Any, like: Any) -> Any:
+    """`tree` (loaded through `_dcp_layout`) with the placements of `like`, the model's own."""
+    return _map_strided(tree, lambda t, own: t.redistribute(placements=own.placements), like)
+
+
 def _load_sharded(
     folder: Path, model: torch.nn.Module, states: dict[str, Any], **kwargs: Any
 ) -> dict[str, Any]:
@@ -353,7 +386,10 @@ def _load_sharded(
     tied parameters read once and tied again; returns `states`."""
     tied = {k: v for k, v in _tied(model).items() if k in states["model"]}
     states["model"] = {k: v for k, v in states["model"].items() if k not in tied}
+    own = states
+    states = _dcp_layout(own)
     _dcp_load(states, folder, **kwargs)
+    states = _own_layout(states, own)
     for name, saved_as in tied.items():
         states["model"][name] = states["model"][saved_as]
     return states
@@ -613,7 +649,7 @@ def _save_sharded(
     model_state, optim_state = get_state_dict(model, optimizer)
     tied = _tied(model)  # saved once, under the name they are tied to
     model_state = {k: v for k, v in model_state.items() if k not in tied}
-    states = {"model": model_state, "optimizer": optim_state}
+    states = _dcp_layout({"model": model_state, "optimizer": optim_state})
     if background:
         group = None if background is True else background
         written = dcp.async_save(states, checkpoint_id=target, process_group=group)
@@ -873,7 +909,7 @@ def restore(
         loaded: dict[str, Any] = {"model": get_model_state_dict(model)}
         if same_optimizer:
             loaded["optimizer"] = get_optimizer_state_dict(model, optimizer)
-        _load_sharded(state["sharded"], model, loaded)
+        loaded = _load_sharded(state["sharded"], model, loaded)
         _set_state(model, optimizer, loaded["model"], loaded.get("optimizer"))
     else:
         optim_state = state["optimizer"] if same_optimizer else None

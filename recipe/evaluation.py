@@ -29,6 +29,8 @@ class EvalPlan(Protocol):
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager: ...
 
+    def loss_context(self) -> contextlib.AbstractContextManager: ...
+
 
 @torch.no_grad()
 def evaluate(
@@ -44,7 +46,11 @@ def evaluate(
     model.eval()
     total, count = torch.zeros((), device=dist.device), 0
     for inputs, targets in data.DeviceBatches(val_loader, dist.device, plan.loader.non_blocking):
-        with torch.compiler.set_stance("force_eager"), plan.autocast(dist.device):
+        with (
+            torch.compiler.set_stance("force_eager"),
+            plan.autocast(dist.device),
+            plan.loss_context(),
+        ):
             total += model(inputs, targets)[1] * len(inputs)
         count += len(inputs)
     model.train()
@@ -80,7 +86,7 @@ def build_loaders(
         vocab_size=cfg.model.vocab_size,
     )  # fmt: skip
     loader_args = dict(
-        rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed, options=plan.loader
+        rank=dist.dp_rank, world_size=dist.dp_size, seed=cfg.train.seed, options=plan.loader
     )
     train_loader = data.build_loader(
         splits["train"], plan.batch_size, start_sample=start_sample, **loader_args

@@ -15,7 +15,8 @@ most likely, scored by the three conventions the field reports under these names
 
 Each item is one forward of 8 rows (4 endings x 2 conventions' tokens), right-padded; a row
 longer than the model's window loses tokens from the left, as the harness truncates. Under
-DDP/FSDP item i is scored on rank i % world_size and the counts are summed.
+DDP/FSDP item i is scored on data-parallel rank i % dp_size and the counts are summed (the
+ranks of a tensor-parallel group score the same items together: counted once).
 """
 
 from __future__ import annotations
@@ -247,10 +248,11 @@ def evaluate(
     """The three accuracies over `items` (split over the ranks) and the item count; every rank
     must call it."""
     correct = correct_counts(
-        model, items, block_size=block_size, device=dist.device, rank=dist.rank,
-        world_size=dist.world_size, autocast=autocast,
+        model, items, block_size=block_size, device=dist.device, rank=dist.dp_rank,
+        world_size=dist.dp_size, autocast=autocast,
     ).to(dist.device)  # fmt: skip
     if dist.enabled:
         torch.distributed.all_reduce(correct)  # a sum
+        correct //= dist.world_size // dist.dp_size  # each tp group's count, from each of its ranks
     accuracy = {c: n / len(items) for c, n in zip(CONVENTIONS, correct.tolist(), strict=True)}
     return accuracy | {"items": len(items)}

@@ -36,6 +36,7 @@ REFUSED = {
         ("lowbit", "forloop"), ("lowbit", "foreach"), ("lowbit", "fused"), ("lowbit", "offload"),
         ("offload", "fsdp"), ("offload", "ddp"), ("opt_in_backward", "accum"),
         ("opt_in_backward", "ddp"), ("opt_in_backward", "fsdp"), ("opt_in_backward", "offload"),
+        ("tp", "custom_op"), ("tp", "offload"), ("tp", "opt_in_backward"),
     ]  # (opt_in_backward with amp: refused in float16 only, test_memory_stages; auto here: bf16)
 }  # fmt: skip
 # Stages that run in one process only (and fsdp, in several only): planned for the right world.
@@ -87,6 +88,7 @@ def test_all_compatible_stages_at_once_and_in_a_fixed_order() -> None:
     listed = [
         "fsdp",
         "compile",
+        "tp",
         "ac",
         "fused",
         "amp",
@@ -100,6 +102,7 @@ def test_all_compatible_stages_at_once_and_in_a_fixed_order() -> None:
     plan = opt.plan(cfg, MULTI)
     assert plan.stages == [s for s in opt.ORDER if s in listed]
     assert plan.stages.index("ac") < plan.stages.index("compile") < plan.stages.index("fsdp")
+    assert plan.stages.index("tp") < plan.stages.index("ac")  # AC and compile see the DTensors
 
 
 def test_sweep_syntax_composes_merged_lists() -> None:

@@ -1,0 +1,101 @@
+"""Run by tests/test_tp.py under `torchrun --nproc_per_node=2` (gloo, CPUs): +opt=tp's numbers
+against the plain model in this same process, for each layout knob, and compile over the
+DTensor program (aot_eager) with what dynamo captured. Rank 0 writes <out>/found.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+from omegaconf import DictConfig, OmegaConf
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import opt  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from recipe import distributed  # noqa: E402
+from recipe.guard import NonFiniteGuard  # noqa: E402
+from train import train_step  # noqa: E402
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+STEPS = 3
+
+
+def _plan(*stages: str, **knobs: dict) -> tuple[DictConfig, opt.Plan]:
+    """The config of `+opt=[stages]` with `knobs` ({stage: {knob: value}}), and its plan."""
+    cfg = OmegaConf.load(CONF / "config.yaml")
+    cfg.model = OmegaConf.load(CONF / "model/gpt2.yaml")
+    cfg.opt = {s: OmegaConf.load(CONF / f"opt/{s}.yaml")[s] for s in stages}
+    cfg.train.batch_size = 4
+    cfg = OmegaConf.merge(cfg, {"opt": knobs})
+    return cfg, opt.plan(cfg, world)  # type: ignore[return-value, arg-type]  # a mapping
+
+
+def _losses(*stages: str, **knobs: dict) -> list[float]:
+    """The losses of a few AdamW steps (clipped) on the same batches on every rank."""
+    cfg, plan = _plan(*stages, **knobs)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=8, vocab_size=60))
+    dist = world.with_mesh(tp=plan.tp_degree)
+    train_model = opt.apply_model_stages(model, cfg.opt, plan, dist) if stages else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler, guard = plan.grad_scaler(dist.device), NonFiniteGuard(dist.device, dist, 3)
+    batches = torch.randint(0, 60, (STEPS, 4, 9), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for batch in batches:
+        loss, _ = train_step(
+            train_model, optimizer, scaler, batch[:, :-1], batch[:, 1:], plan, 0.5, guard
+        )
+        losses.append(loss.item())
+    return losses
+
+
+def _compiled(*stages: str, **knobs: Any) -> dict:
+    """The losses of +opt=[tp,compile] (aot_eager), and what dynamo did meanwhile: graph breaks,
+    unsupported code (each a break), frames it gave up on (run eagerly), graphs captured."""
+    torch._dynamo.reset()
+    counters.clear()
+    losses = _losses("tp", *stages, "compile", compile={"backend": "aot_eager", **knobs})
+    frames = counters["frames"]
+    breaks = [*counters["graph_break"], *counters["unimplemented"]]
+    return {
+        "losses": losses,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "unimplemented": sum(counters["unimplemented"].values()),
+        "frames_skipped": frames["total"] - frames["ok"],
+        "graphs": counters["stats"]["unique_graphs"],
+        "first_break": breaks[0][:300] if breaks else None,
+    }
+
+
+def _local_fraction() -> float:
+    """The share of the model's parameter elements that this rank holds under tp=2."""
+    cfg, plan = _plan("tp")
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=8, vocab_size=60))
+    total = sum(p.numel() for p in model.parameters())
+    opt.apply_model_stages(model, cfg.opt, plan, world.with_mesh(tp=plan.tp_degree))
+    return sum(p.to_local().numel() for p in model.parameters()) / total  # type: ignore[attr-defined]
+
+
+world = distributed.init("cpu")
+found: dict = {"plain": _losses()}
+for sp in (True, False):
+    for lp in (True, False):
+        tp = {"sequence_parallel": sp, "loss_parallel": lp}
+        found[f"tp sp={sp} lp={lp}"] = _losses("tp", tp=tp)
+# Recomputed, in two micro-batches (train_step returns their losses' sum).
+found["tp ac accum"] = [s / 2 for s in _losses("tp", "ac", "accum", accum={"steps": 2})]
+found["compiled"] = {
+    "model": _compiled(),
+    "block": _compiled(scope="block"),
+    "fsdp": _compiled("fsdp"),  # in pieces between FSDP's hooks: each block, embed, head
+}
+found["local_fraction"] = _local_fraction()
+if world.is_main:
+    (Path(sys.argv[1]) / "found.json").write_text(json.dumps(found))
+distributed.shutdown()
