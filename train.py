@@ -88,25 +88,33 @@ def train_step(
     """One optimizer step on this rank's batch: forward and backward per micro-batch (gradients
     add up; across ranks they are reduced after the last one, or after each under FSDP, see
     opt/accum.py), unscale, clip, then the step unless the loss or the gradients are not finite
-    (recipe/guard.py); under +opt=opt_in_backward each parameter stepped in backward instead.
+    (recipe/guard.py); under +opt=opt_in_backward each parameter stepped in backward instead;
+    under +opt=pp the pipeline's schedule runs the micro-batches (opt/pp.py).
     Returns the sum of the micro-batch losses and the gradient norm, both left on the device
     (no sync)."""
-    losses = torch.zeros((), device=inputs.device)
-    micro_batches = zip(
-        inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
-    )
-    for micro_step, (x, y) in enumerate(micro_batches):
-        last = micro_step == plan.micro_steps - 1
-        with opt.gradient_sync(train_model, last or not plan.defer_reduce):
-            with plan.autocast(inputs.device):
-                _, loss = train_model(x, y)
-            scaler.scale(loss / plan.micro_steps).backward()
-        losses += loss.detach()
+    pipeline = isinstance(train_model, opt.Pipeline)
+    if pipeline:  # the step's loss, the same on every stage
+        losses = train_model.forward_backward(inputs, targets)
+    else:
+        losses = torch.zeros((), device=inputs.device)
+        micro_batches = zip(
+            inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
+        )
+        for micro_step, (x, y) in enumerate(micro_batches):
+            last = micro_step == plan.micro_steps - 1
+            with opt.gradient_sync(train_model, last or not plan.defer_reduce):
+                with plan.autocast(inputs.device):
+                    _, loss = train_model(x, y)
+                scaler.scale(loss / plan.micro_steps).backward()
+            losses += loss.detach()
     if plan.step_in_backward:  # every parameter has stepped already, its gradient freed
         return losses, guard.steps_in_backward_done(losses)
     scaler.unscale_(optimizer)  # clip the true gradients
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if pipeline:  # the norm over every stage
+        grad_norm = train_model.clip_grad_norm_(grad_clip)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     if isinstance(grad_norm, DTensor):  # FSDP: the global norm, replicated on every rank
         grad_norm = grad_norm.full_tensor()
     guard.step(optimizer, scaler, losses, grad_norm)
@@ -136,14 +144,14 @@ def evaluate(
 
 
 def validation(
-    model: GPT,
+    model: GPT | opt.Pipeline,
     val_loader: torch.utils.data.DataLoader,
     hellaswag_items: list[dict] | None,
     plan: opt.Plan,
     dist: distributed.Distributed,
 ) -> dict[str, float | None]:
     """`val/loss`, and under `train.hellaswag=true` the HellaSwag accuracies (every rank scores
-    its share of the items)."""
+    its share of the items). Under +opt=pp `model` is the pipeline (no HellaSwag: opt/pp.py)."""
     metrics: dict[str, float | None] = {"val/loss": evaluate(model, val_loader, plan, dist)}
     if hellaswag_items:
         scores = hellaswag.evaluate(
@@ -164,7 +172,7 @@ def build_loaders(
         vocab_size=cfg.model.vocab_size,
     )  # fmt: skip
     loader_args = dict(
-        rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed, options=plan.loader
+        rank=dist.dp_rank, world_size=dist.dp_size, seed=cfg.train.seed, options=plan.loader
     )
     train_loader = data.build_loader(
         splits["train"], plan.batch_size, start_sample=start_sample, **loader_args
@@ -190,6 +198,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
+    dist = plan.dist or dist  # +opt=pp: the processes as a mesh
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
     resumed = checkpoint.read(run_dir) if cfg.train.resume else None
     corpus = data.corpus_identity(cfg.data)  # its sources' content, tokenizer and dtype
@@ -219,7 +228,14 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         model = build_model(cfg.model)
     if resumed:
         checkpoint.check_shape(resumed, model.config)
+    # The whole model's size and cost, counted before +opt=pp keeps this rank's stages only.
+    num_params, flops_per_token = (
+        model.num_params(False),
+        model.flops_per_token(cfg.model.block_size),
+    )
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
+    # Under +opt=pp each rank keeps only its stages of `model`: evaluation runs the pipeline.
+    evaluated = train_model if isinstance(train_model, opt.Pipeline) else model
 
     # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard; then
     # the stages that change when the optimizer steps (opt_in_backward: during backward)
@@ -236,11 +252,11 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     history = folder.cut_metrics(start_step) if folder and resumed else []
     if folder:
         config.save(run_dir, resolved, overrides)
-    samples_per_step = plan.batch_size * dist.world_size
+    samples_per_step = plan.batch_size * dist.dp_size
     tokens_per_step = samples_per_step * cfg.model.block_size
     perf_args = dict(
         tokens_per_step=tokens_per_step,
-        flops_per_token=model.flops_per_token(cfg.model.block_size),
+        flops_per_token=flops_per_token,
         peak_flops=peak_flops(dist.device, cfg.perf.peak_tflops),
         world_size=dist.world_size,
     )
@@ -256,7 +272,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                  "optimizer_class": type(optimizer).__name__}  # fmt: skip
     del resumed
     distributed.log(
-        f"[train] {run_name}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "
+        f"[train] {run_name}: {num_params / 1e6:.1f}M "
         f"parameters on {dist.world_size} x {dist.device.type}, {tokens_per_step:,} tokens "
         f"per step, steps {start_step}..{max_steps}, run folder {run_dir}"
     )
@@ -270,7 +286,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     window_micro_steps = 0
     step = start_step
     if step == 0:
-        logger.log(validation(model, val_loader, hellaswag_items, plan, dist), step)
+        logger.log(validation(evaluated, val_loader, hellaswag_items, plan, dist), step)
     t = cfg.train
     saver = checkpoint.Saver(run_dir, dist, keep=t.keep_checkpoints, keep_best=t.keep_best,
                              async_save=t.async_save)  # fmt: skip
@@ -312,7 +328,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                 meter.start()
             val_loss = None
             if step % cfg.train.eval_interval == 0 or step == max_steps:
-                validated = validation(model, val_loader, hellaswag_items, plan, dist)
+                validated = validation(evaluated, val_loader, hellaswag_items, plan, dist)
                 val_loss = validated["val/loss"]
                 logger.log(validated, step)
                 meter.start()
@@ -339,7 +355,9 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         "stopped_by": stop.signal,  # SIGTERM or SIGINT: a sweep then stops (recipe/launch.py)
     }  # fmt: skip
     summary |= meter.summary() | memory_gib(dist.device)  # perf: the measured steps, cold start
-    if step == max_steps and cfg.sample.num_samples:  # every rank samples: FSDP needs them all
+    # Every rank samples (FSDP needs them all); under +opt=pp no rank holds the whole model:
+    # sample.py samples the checkpoint (the closing line says how).
+    if step == max_steps and cfg.sample.num_samples and not isinstance(evaluated, opt.Pipeline):
         s = cfg.sample
         texts = generate.sample(
             model, s.prompt, num_samples=s.num_samples, max_new_tokens=s.max_new_tokens,

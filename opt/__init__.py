@@ -8,11 +8,13 @@ order, whatever order they were listed in:
     optimizer forloop | foreach | fused      AdamW's implementation, or torchao's low-bit AdamW
               | lowbit
     model     custom_op -> ac -> compile     the fused head + loss replaces a piece of the model
-              -> ddp | fsdp | offload        before anything wraps it; checkpointing is applied
+              -> pp -> ddp | fsdp | offload  before anything wraps it; checkpointing is applied
                                              before compile so that compile traces the
                                              recomputation; compile works on the plain module,
-                                             before the data-parallel wrappers (and offload's
-                                             FSDP) hook into its parameters and gradients.
+                                             (under pp: per block, embed and head, in place),
+                                             before pp splits it into stages, which keep those
+                                             very blocks; then the data-parallel wrappers (and
+                                             offload's FSDP) hook into parameters and gradients.
     step      opt_in_backward                last, on the built optimizer: it hooks the
                                              parameters that every model stage has settled.
 
@@ -27,6 +29,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as torch_dist
 from omegaconf import DictConfig
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -45,6 +48,7 @@ from opt.non_blocking import apply_non_blocking
 from opt.offload import apply_offload, offloads
 from opt.opt_in_backward import apply_opt_in_backward
 from opt.optimizer_impl import IMPLEMENTATIONS, apply_optimizer_impl
+from opt.pp import Pipeline, apply_pp, check_pp
 from opt.tf32 import apply_tf32
 from opt.workers import apply_workers
 from recipe.distributed import Distributed
@@ -56,12 +60,13 @@ ORDER = (
     "workers", "non_blocking",
     "tf32", "amp",
     *IMPLEMENTATIONS, "lowbit",
-    "custom_op", "ac", "compile", "ddp", "fsdp", "offload",
+    "custom_op", "ac", "compile", "pp", "ddp", "fsdp", "offload",
     "opt_in_backward",
 )  # fmt: skip
 
 __all__ = [
-    "ORDER", "Plan", "apply_model_stages", "apply_optimizer_stages", "gradient_sync", "plan"
+    "ORDER", "Pipeline", "Plan", "apply_model_stages", "apply_optimizer_stages", "gradient_sync",
+    "plan",
 ]  # fmt: skip
 
 
@@ -82,6 +87,7 @@ class Plan:
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW  # lowbit: torchao's
     optimizer_kwargs: dict = field(default_factory=dict)
     step_in_backward: bool = False  # opt_in_backward: each parameter steps from its grad hook
+    dist: Distributed | None = None  # the processes as +opt=pp arranges them; None: as given
 
     @property
     def micro_batch_size(self) -> int:
@@ -138,6 +144,12 @@ CONFLICTS = {
     "the processes",
     ("opt_in_backward", "offload"): "offload steps AdamW on the CPU after backward, "
     "opt_in_backward on the GPU during it",
+    ("pp", "accum"): "opt.pp.microbatches is the pipeline's own gradient accumulation",
+    ("pp", "ddp"): "pipeline stages with data parallelism over several pipelines are not done yet",
+    ("pp", "fsdp"): "pipeline stages with data parallelism over several pipelines are not done yet",
+    ("pp", "offload"): "offload runs in one process, pp over several",
+    ("pp", "opt_in_backward"): "the pipeline's tied weights and global clipping need every "
+    "gradient before the step",
 }
 # Stages for one process: a multi-process run wraps the model in DDP, whose gradient reduction
 # runs after the hooks that step (opt_in_backward), or shards it (offload's one-process FSDP).
@@ -214,6 +226,10 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
     if "opt_in_backward" in stages:
         check_step_in_backward(cfg.train.grad_clip, p.scale_loss)
         p.step_in_backward = True
+    if "pp" in stages:
+        check_pp(cfg, batch_size=p.batch_size, world_size=dist.world_size, scale_loss=p.scale_loss)
+        # The pipeline group; planning without processes (tests, scripts) checks the count only.
+        p.dist = dist.with_mesh(pp=opt.pp.degree) if torch_dist.is_initialized() else dist
     return p
 
 
@@ -244,8 +260,10 @@ def apply_model_stages(model: GPT, opt: DictConfig, p: Plan, dist: Distributed) 
         apply_custom_op(model, opt.custom_op)
     if "ac" in p.stages:
         apply_ac(model, opt.ac)
-    if "compile" in p.stages:
-        apply_compile(model, opt.compile, sharded=p.sharded(dist.device))
+    if "compile" in p.stages:  # under pp in pieces (each block, embed, head), as under FSDP
+        apply_compile(model, opt.compile, sharded=p.sharded(dist.device) or "pp" in p.stages)
+    if "pp" in p.stages:  # each rank keeps its stages of `model`; the pipeline runs them
+        return apply_pp(model, opt.pp, dist, lambda: p.autocast(dist.device))
     if "fsdp" in p.stages:
         return apply_fsdp(model, opt.fsdp, dist, p.amp_dtype)
     if "offload" in p.stages:

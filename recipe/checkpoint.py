@@ -87,6 +87,18 @@ def _is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def _pipelined(dist: Distributed) -> bool:
+    """+opt=pp: each rank holds other parameters (its stages), under the full model's names."""
+    return dist.mesh is not None and dist.mesh["pp"].size() > 1
+
+
+def _optimizer_options(flat: bool) -> StateDictOptions:
+    """The optimizer state keyed per parameter (`state.<name>.exp_avg`, `param_groups.<name>.lr`)
+    when `flat`: pipeline ranks hold different parameters, and DCP would keep one rank's copy of
+    an unflattened `param_groups` list (it takes equal keys for replicas)."""
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
 def _weights_finite(model: torch.nn.Module, dist: Distributed) -> bool:
     """True on every rank if every rank's weights (or shards) are finite."""
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
@@ -423,7 +435,7 @@ class Saver:
             )
         meta = {"scaler": scaler.state_dict(), "step": step, "rng": dist.gather(_rng_state()),
                 **run_state}  # fmt: skip
-        if _is_sharded(model):
+        if _is_sharded(model) or _pipelined(dist):
             if self.async_save and self._group is None:
                 self._group = _background_group() or True
             background = self._group if self.async_save else False
@@ -584,7 +596,9 @@ def _save_sharded(
         shutil.rmtree(target, ignore_errors=True)  # a half-written attempt at this step
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    flat = _pipelined(dist)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_optimizer_options(flat))
+    meta = {**meta, "flat_optimizer": flat}  # how restore asks for it back
     tied = _tied(model)  # saved once, under the name they are tied to
     model_state = {k: v for k, v in model_state.items() if k not in tied}
     states = {"model": model_state, "optimizer": optim_state}
@@ -844,11 +858,12 @@ def restore(
     more)."""
     same_optimizer = _same_optimizer(state, optimizer)
     if "sharded" in state:
+        options = _optimizer_options(state.get("flat_optimizer", False))
         loaded: dict[str, Any] = {"model": get_model_state_dict(model)}
         if same_optimizer:
-            loaded["optimizer"] = get_optimizer_state_dict(model, optimizer)
+            loaded["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
         _load_sharded(state["sharded"], model, loaded)
-        _set_state(model, optimizer, loaded["model"], loaded.get("optimizer"))
+        _set_state(model, optimizer, loaded["model"], loaded.get("optimizer"), options=options)
     else:
         optim_state = state["optimizer"] if same_optimizer else None
         full = StateDictOptions(full_state_dict=True)
