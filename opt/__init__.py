@@ -145,6 +145,8 @@ CONFLICTS = {
     ("opt_in_backward", "offload"): "offload steps AdamW on the CPU after backward, "
     "opt_in_backward on the GPU during it",
     ("pp", "accum"): "opt.pp.microbatches is the pipeline's own gradient accumulation",
+    ("pp", "custom_op"): "the fused head + loss has no ignored targets, which the pipeline's "
+    "evaluation pads a short batch with",
     ("pp", "ddp"): "pipeline stages with data parallelism over several pipelines are not done yet",
     ("pp", "fsdp"): "pipeline stages with data parallelism over several pipelines are not done yet",
     ("pp", "offload"): "offload runs in one process, pp over several",
@@ -263,7 +265,7 @@ def apply_model_stages(model: GPT, opt: DictConfig, p: Plan, dist: Distributed) 
     if "compile" in p.stages:  # under pp in pieces (each block, embed, head), as under FSDP
         apply_compile(model, opt.compile, sharded=p.sharded(dist.device) or "pp" in p.stages)
     if "pp" in p.stages:  # each rank keeps its stages of `model`; the pipeline runs them
-        return apply_pp(model, opt.pp, dist, lambda: p.autocast(dist.device))
+        return apply_pp(model, opt.pp, dist, lambda: p.autocast(dist.device), p.batch_size)
     if "fsdp" in p.stages:
         return apply_fsdp(model, opt.fsdp, dist, p.amp_dtype)
     if "offload" in p.stages:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -34,6 +35,7 @@ from model import GPT, GPTConfig
 from recipe.distributed import Distributed, log, mesh_shape
 from recipe.errors import ConfigError
 
+IGNORED = -100  # F.cross_entropy's ignore_index: the targets of evaluation's padding rows
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -80,11 +82,6 @@ def check_pp(cfg: DictConfig, *, batch_size: int, world_size: int, scale_loss: b
             f"opt.pp.microbatches={m}: interleaved_1f1b needs a multiple of {rounds} (its rounds "
             f"of opt.pp.degree={pp.degree})"
         )
-    if cfg.train.eval_sequences % batch_size:  # the pipeline's buffers have the step's shapes
-        raise ConfigError(
-            f"train.eval_sequences={cfg.train.eval_sequences} under +opt=pp: evaluation runs "
-            f"through the pipeline in batches of the step's {batch_size}: use a multiple of it"
-        )
     for refused, why in [
         (cfg.train.hellaswag, "train.hellaswag=true: HellaSwag scores the whole model on one "
          "rank; score the run's checkpoint with scripts/evaluate.py"),
@@ -112,11 +109,11 @@ def stage_starts(model: GPT, split: list[int] | None, stages: int) -> list[int]:
     """The block where each stage starts, then n_layer: `split`'s, or balanced by parameters.
     The blocks are alike, so each in turn goes to the lightest stage (which minimises the
     heaviest), starting from one block each plus the embeddings (first) and the head (last)."""
-    n_layer = len(model.transformer.h)
+    t: Any = model.transformer  # a ModuleDict, whose attributes are untyped
+    n_layer = len(t.h)
     if split is not None:
         return [0, *split, n_layer]
-    block = sum(p.numel() for p in model.transformer.h[0].parameters())
-    t = model.transformer
+    block = sum(p.numel() for p in t.h[0].parameters())
     load = [block] * stages
     load[0] += t.wte.weight.numel() + t.wpe.weight.numel()
     load[-1] += model.lm_head.weight.numel() + sum(p.numel() for p in t.ln_f.parameters())
@@ -135,7 +132,7 @@ class Stage(nn.Module):
 
     def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
-        t = model.transformer
+        t: Any = model.transformer
         self.blocks = nn.ModuleList(t.h[str(i)] for i in blocks)
         self.embeddings = nn.ModuleList([t.wte, t.wpe]) if first else None
         self.head = nn.ModuleList([t.ln_f, model.lm_head]) if last else None
@@ -153,9 +150,9 @@ def prune(model: GPT, blocks: list[int], first: bool, last: bool) -> None:
     """Keeps only this rank's parts of `model`, in place, under the full model's names: the
     blocks become a ModuleDict keyed by their index (`transformer.h.<i>` as before). The last
     stage's head gets its own copy of the tied embedding (same values: every rank built the
-    same model from the same seed)."""
-    t = model.transformer
-    if last:
+    same model from the same seed), unless this rank holds the first stage too (one rank)."""
+    t: Any = model.transformer
+    if last and not first:
         model.lm_head.weight = nn.Parameter(t.wte.weight.detach().clone())
     t.h = nn.ModuleDict({str(i): t.h[i] for i in blocks})
     if not first:
@@ -179,8 +176,11 @@ class Pipeline(nn.Module):
         dist: Distributed,
         tied: tuple[nn.Parameter | None, torch_dist.ProcessGroup | None],
         autocast: Callable[[], contextlib.AbstractContextManager],
+        batch_size: int,
     ) -> None:
         super().__init__()
+        self.batch_size = batch_size  # the step's: the schedule's buffers have its shapes
+        self.microbatches = schedule._n_microbatches
         self.stages = nn.ModuleList(stages)
         self.schedule, self.config, self.autocast = schedule, config, autocast
         assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
@@ -198,27 +198,38 @@ class Pipeline(nn.Module):
             self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         if self.tied is not None and self.tied.grad is not None:  # the embedding's + the head's
             torch_dist.all_reduce(self.tied.grad, group=self.tied_group)
-        return self._broadcast(losses)
+        return self._broadcast(torch.stack(losses).mean() if losses else None)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[None, torch.Tensor]:
-        """The evaluation loss, as `GPT.forward` gives it (forward only, every rank)."""
+        """The evaluation loss, as `GPT.forward` gives it (forward only, every rank). The
+        schedule's buffers have the step's shapes: a shorter (last) batch is padded with rows
+        whose targets the loss ignores, and each micro-batch's mean counts its real rows."""
+        real, pad = len(inputs), self.batch_size - len(inputs)
+        if pad:
+            inputs = torch.cat([inputs, inputs[-1:].expand(pad, -1)])
+            targets = torch.cat([targets, torch.full_like(targets[-1:], IGNORED).expand(pad, -1)])
         losses: list[torch.Tensor] = []
         with self.autocast():
             self.schedule.eval(inputs, target=targets, losses=losses)
-        return None, self._broadcast(losses)
+        size = self.batch_size // self.microbatches
+        rows = [min(max(real - i * size, 0), size) for i in range(self.microbatches)]
+        total = sum(loss * n / real for loss, n in zip(losses, rows, strict=False) if n)
+        return None, self._broadcast(total if losses else None)
 
-    def _broadcast(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        mean = torch.stack(losses).mean().detach() if losses else torch.zeros(())
-        mean = mean.to(next(self.parameters()).device)
-        torch_dist.broadcast(mean, group=self.group, group_src=self.last_rank)
-        return mean
+    def _broadcast(self, loss: torch.Tensor | float | None) -> torch.Tensor:
+        """The last stage's `loss` (None elsewhere), on every rank."""
+        device = next(self.parameters()).device
+        value = torch.zeros((), device=device) if loss is None else torch.as_tensor(loss)
+        value = value.detach().to(device)
+        torch_dist.broadcast(value, group=self.group, group_src=self.last_rank)
+        return value
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clips every stage's gradients by their global norm (squares summed over the
         pipeline; the last stage's copy of the tied weight counted once, on the first);
         returns that norm, the same on every rank."""
         params = [p for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in params if p is not self.head_copy]
+        counted = [p.grad for p in params if p is not self.head_copy and p.grad is not None]
         square = torch.nn.utils.get_total_norm(counted).square()
         torch_dist.all_reduce(square, group=self.group)
         norm = square.sqrt()
@@ -231,6 +242,7 @@ def apply_pp(
     cfg: DictConfig,
     dist: Distributed,
     autocast: Callable[[], contextlib.AbstractContextManager],
+    batch_size: int,
 ) -> Pipeline:
     """Splits `model` (pruned in place to this rank's stages) into a pipeline; returns it."""
     assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
@@ -262,7 +274,7 @@ def apply_pp(
         f"[opt] pp: {degree} ranks x {cfg.stages_per_rank} stage(s), blocks {layout}, "
         f"{cfg.schedule} over {cfg.microbatches} micro-batches"
     )
-    return Pipeline(stages, schedule, model.config, dist, tied, autocast)
+    return Pipeline(stages, schedule, model.config, dist, tied, autocast, batch_size)
 
 
 def _tied_pair(
@@ -272,10 +284,13 @@ def _tied_pair(
     last stage's head; None in between) and the group of those two ranks, where their
     gradients are summed. A collective: every rank makes the group."""
     assert dist.mesh is not None
+    if first and last:  # a pipeline of one rank: the weight is still tied
+        return None, None
     pp_ranks = dist.mesh["pp"].mesh.flatten().tolist()
     pair = torch_dist.new_group([pp_ranks[0], pp_ranks[-1]])
+    t: Any = model.transformer
     if first:
-        return model.transformer.wte.weight, pair
+        return t.wte.weight, pair
     if last:
-        return model.lm_head.weight, pair
+        return model.lm_head.weight, pair  # type: ignore[return-value]  # a Parameter
     return None, None
