@@ -10,11 +10,12 @@ order, whatever order they were listed in:
     model     custom_op -> ac -> compile     the fused head + loss replaces a piece of the model
               -> pp -> ddp | fsdp | offload  before anything wraps it; checkpointing is applied
                                              before compile so that compile traces the
-                                             recomputation; compile works on the plain module,
-                                             (under pp: per block, embed and head, in place),
-                                             before pp splits it into stages, which keep those
-                                             very blocks; then the data-parallel wrappers (and
-                                             offload's FSDP) hook into parameters and gradients.
+                                             recomputation; compile works on the plain module
+                                             (under pp in pieces: each block, embed and head),
+                                             before pp splits it into stages that call those
+                                             same pieces, and before the data-parallel wrappers
+                                             (and offload's FSDP) hook into its parameters and
+                                             gradients.
     step      opt_in_backward                last, on the built optimizer: it hooks the
                                              parameters that every model stage has settled.
 

@@ -125,13 +125,21 @@ def stage_starts(model: GPT, split: list[int] | None, stages: int) -> list[int]:
     return list(itertools.accumulate([0, *counts]))
 
 
+# +opt=amp's autocast (Plan.autocast), entered around each forward: not around the schedule's
+# step, whose backward autocast must not see.
+Autocast = Callable[[], contextlib.AbstractContextManager]
+
+
 class Stage(nn.Module):
     """One pipeline stage: the embeddings (first stage), its blocks in order. It holds exactly
     its parameters (the schedule scales their gradients); the last stage also holds the final
     norm and the head, which the schedule's loss function runs (`GPT.head`)."""
 
-    def __init__(self, model: GPT, blocks: range, first: bool, last: bool) -> None:
+    def __init__(
+        self, model: GPT, blocks: range, first: bool, last: bool, autocast: Autocast
+    ) -> None:
         super().__init__()
+        self.autocast = autocast
         t: Any = model.transformer
         self.blocks = nn.ModuleList(t.h[str(i)] for i in blocks)
         self.embeddings = nn.ModuleList([t.wte, t.wpe]) if first else None
@@ -139,10 +147,11 @@ class Stage(nn.Module):
         self.embed = model.embed  # a bound method: GPT's own code (compiled under +opt=compile)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embeddings is not None:
-            x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
+        with self.autocast():
+            if self.embeddings is not None:
+                x = self.embed(x)
+            for block in self.blocks:
+                x = block(x)
         return x
 
 
@@ -175,14 +184,14 @@ class Pipeline(nn.Module):
         config: GPTConfig,
         dist: Distributed,
         tied: tuple[nn.Parameter | None, torch_dist.ProcessGroup | None],
-        autocast: Callable[[], contextlib.AbstractContextManager],
         batch_size: int,
+        microbatches: int,
     ) -> None:
         super().__init__()
-        self.batch_size = batch_size  # the step's: the schedule's buffers have its shapes
-        self.microbatches = schedule._n_microbatches
+        # The step's batch: the schedule's buffers have the shapes of its micro-batches.
+        self.batch_size, self.microbatches = batch_size, microbatches
         self.stages = nn.ModuleList(stages)
-        self.schedule, self.config, self.autocast = schedule, config, autocast
+        self.schedule, self.config = schedule, config
         assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
         self.group = dist.mesh["pp"].get_group()
         self.last_rank = dist.mesh["pp"].size() - 1  # holds the last stage under every schedule
@@ -194,8 +203,7 @@ class Pipeline(nn.Module):
         """One step's forward and backward through the schedule (gradients averaged over the
         micro-batches); returns the step's loss (the micro-batches' mean) on every rank."""
         losses: list[torch.Tensor] = []
-        with self.autocast():
-            self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         if self.tied is not None and self.tied.grad is not None:  # the embedding's + the head's
             torch_dist.all_reduce(self.tied.grad, group=self.tied_group)
         return self._broadcast(torch.stack(losses).mean() if losses else None)
@@ -209,8 +217,7 @@ class Pipeline(nn.Module):
             inputs = torch.cat([inputs, inputs[-1:].expand(pad, -1)])
             targets = torch.cat([targets, torch.full_like(targets[-1:], IGNORED).expand(pad, -1)])
         losses: list[torch.Tensor] = []
-        with self.autocast():
-            self.schedule.eval(inputs, target=targets, losses=losses)
+        self.schedule.eval(inputs, target=targets, losses=losses)
         size = self.batch_size // self.microbatches
         rows = [min(max(real - i * size, 0), size) for i in range(self.microbatches)]
         total = sum(loss * n / real for loss, n in zip(losses, rows, strict=False) if n)
@@ -241,7 +248,7 @@ def apply_pp(
     model: GPT,
     cfg: DictConfig,
     dist: Distributed,
-    autocast: Callable[[], contextlib.AbstractContextManager],
+    autocast: Autocast,
     batch_size: int,
 ) -> Pipeline:
     """Splits `model` (pruned in place to this rank's stages) into a pipeline; returns it."""
@@ -255,7 +262,8 @@ def apply_pp(
     prune(model, blocks, first, last)
     group = dist.mesh["pp"].get_group()
     stages = [
-        Stage(model, range(starts[s], starts[s + 1]), s == 0, s == n_stages - 1) for s in mine
+        Stage(model, range(starts[s], starts[s + 1]), s == 0, s == n_stages - 1, autocast)
+        for s in mine
     ]
     pipeline_stages = [
         PipelineStage(stage, s, n_stages, dist.device, group=group)
@@ -263,7 +271,8 @@ def apply_pp(
     ]
 
     def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return model.head(hidden, targets)[1]  # type: ignore[return-value]  # given targets
+        with autocast():
+            return model.head(hidden, targets)[1]  # type: ignore[return-value]  # given targets
 
     schedule_class = SCHEDULES[cfg.schedule]
     held = pipeline_stages if schedule_class is ScheduleInterleaved1F1B else pipeline_stages[0]
@@ -272,9 +281,18 @@ def apply_pp(
     layout = ", ".join(f"{starts[s]}-{starts[s + 1] - 1}" for s in range(n_stages))
     log(
         f"[opt] pp: {degree} ranks x {cfg.stages_per_rank} stage(s), blocks {layout}, "
-        f"{cfg.schedule} over {cfg.microbatches} micro-batches"
+        f"{cfg.schedule} over {cfg.microbatches} micro-batches, idle in theory "
+        f"{bubble(degree, cfg.microbatches, cfg.stages_per_rank):.0%} of the step (the bubble)"
     )
-    return Pipeline(stages, schedule, model.config, dist, tied, autocast, batch_size)
+    return Pipeline(stages, schedule, model.config, dist, tied, batch_size, cfg.microbatches)
+
+
+def bubble(degree: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The schedule's idle fraction per rank in theory, (p-1)/(v·m + p-1): filling and draining
+    the pipeline takes p-1 stage-times of the v·m each rank computes (Megatron-LM's
+    interleaving divides a stage-time by v). Even stages and free communication assumed."""
+    idle = degree - 1
+    return idle / (stages_per_rank * microbatches + idle)
 
 
 def _tied_pair(

@@ -822,7 +822,34 @@ def unsharded(state: dict[str, Any]) -> dict[str, Any]:
         tied = _tied(GPT(GPTConfig(**state["model_config"])))
     for name, saved_as in tied.items():
         whole["model"].setdefault(name, whole["model"][saved_as])
+    if state.get("flat_optimizer") and "optimizer" in whole:
+        whole["optimizer"] = _unflattened(whole["optimizer"], skip=set(tied))
     return whole
+
+
+def _unflattened(flat: dict[str, Any], skip: set[str]) -> dict[str, Any]:
+    """A flattened optimizer state (`state.<name>.<key>`, `param_groups.<name>.<key>`: +opt=pp)
+    as `checkpoint.pt` holds it: {"state": {name: {key: value}}, "param_groups": [...]}, one
+    group per distinct setting, in the order of their first parameter. `skip`: the pipeline's
+    copies of tied weights, whose state is the weight's."""
+    nested: dict[str, dict[str, dict[str, Any]]] = {"state": {}, "param_groups": {}}
+    for flat_key, value in flat.items():
+        part, rest = flat_key.split(".", 1)
+        name, key = rest.rsplit(".", 1)
+        if name not in skip:
+            nested[part].setdefault(name, {})[key] = value
+    groups: list[dict[str, Any]] = []
+    for name, settings in nested["param_groups"].items():
+        group = next((g for g in groups if _settings(g) == settings), None)
+        if group is None:
+            group = {**settings, "params": []}
+            groups.append(group)
+        group["params"].append(name)
+    return {"state": nested["state"], "param_groups": groups}
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def check_shape(state: dict[str, Any], config: Any) -> None:

@@ -15,10 +15,10 @@ from test_distributed import _launch
 import opt
 from conftest import TINY, load_script, logged, make_cfg, tiny_cfg
 from model import GPT, GPTConfig
-from opt.pp import prune, stage_starts
+from opt.pp import bubble, prune, stage_starts
 from recipe import checkpoint, distributed
 from recipe.distributed import Distributed
-from train import train
+from train import build_optimizer, train
 
 # 4 blocks (interleaved: 2 stages on each of 2 ranks); a constant learning rate, so that a run
 # stopped at step 4 and resumed is the 8-step run; 7 validation windows: the last batch short.
@@ -36,8 +36,8 @@ RTOL = {"train/loss": 1e-5, "val/loss": 1e-5, "train/grad_norm": 1e-4}
 MULTI = Distributed(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"))
 
 
-def _pp(run_dir: Path, *args: str) -> None:
-    command = [*distributed.torchrun(2), "train.py", *TINY, *RUN, "+opt=pp", *args]
+def _pp(run_dir: Path, *args: str, stages: str = "pp") -> None:
+    command = [*distributed.torchrun(2), "train.py", *TINY, *RUN, f"+opt=[{stages}]", *args]
     (run_dir.parent / f"{run_dir.name}.log").write_text(
         _launch([*command, f"hydra.run.dir={run_dir}"])
     )
@@ -49,6 +49,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     train(tiny_cfg(*RUN), root / "single", overrides=[*TINY, *RUN])
     for name in ("gpipe", "interleaved_1f1b"):
         _pp(root / name, *SCHEDULES[name])
+    _pp(root / "compiled", "opt.compile.backend=aot_eager", stages="pp,compile")  # per block
     # 1f1b: stopped at step 4, resumed on the pipeline (-> 1f1b) and in one process.
     _pp(root / "1f1b", *SCHEDULES["1f1b"], "train.max_steps=4")
     shutil.copytree(root / "1f1b", root / "on_one")
@@ -57,7 +58,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     resume_here = ("train.resume=true", "train.max_steps=8", "~opt.pp")
     cfg = make_cfg(*TINY, *RUN, "+opt=pp", *resume_here)
     train(cfg, root / "on_one", overrides=list(resume_here))
-    return {name: root / name for name in ("single", *SCHEDULES, "on_one")}
+    return {name: root / name for name in ("single", *SCHEDULES, "on_one", "compiled")}
 
 
 def _metrics(run_dir: Path) -> dict[str, list[float]]:
@@ -74,11 +75,25 @@ def test_each_schedule_matches_one_process(runs, schedule: str) -> None:
         torch.testing.assert_close(pipelined[key], single[key], rtol=RTOL[key], atol=0)
     log = (runs[schedule].parent / f"{schedule}.log").read_text()
     assert f"[opt] pp: 2 ranks x {2 if 'interleaved' in schedule else 1} stage(s)" in log
+    bubble = "11%" if "interleaved" in schedule else "20%"  # (p-1)/(v·m+p-1), p=2, m=4, v=2 or 1
+    assert f"idle in theory {bubble} of the step" in log
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_pipeline_checkpoint_resumes_in_one_process_and_samples(runs) -> None:
+def test_compile_composes_per_block(runs) -> None:
+    """Each block, embed and head compiled whole (fullgraph: a graph break fails the run)."""
+    for key, values in _metrics(runs["single"]).items():
+        torch.testing.assert_close(_metrics(runs["compiled"])[key], values, rtol=RTOL[key], atol=0)
+    assert (
+        "[opt] compile: each block, embed and head"
+        in (runs["compiled"].parent / "compiled.log").read_text()
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_pipeline_checkpoint_resumes_in_one_process_and_samples(runs, tmp_path) -> None:
     """Each stage wrote its own shard; one process resumed it (the same losses as the
     uninterrupted run), and the whole model loads from it under the full model's names, for
     sample.py and scripts/evaluate.py (which gives the run's last val/loss)."""
@@ -95,6 +110,17 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_and_samples(runs) -> None:
         torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=1e-4, atol=1e-5)
     assert not (runs["1f1b"] / "samples.txt").exists()  # no rank holds the whole model
     assert (runs["single"] / "samples.txt").exists()
+    # Consolidated into one checkpoint.pt, it restores in one process (the optimizer too).
+    copy = tmp_path / "run"
+    shutil.copytree(runs["1f1b"], copy)
+    load_script("consolidate_checkpoint").consolidate(copy)
+    state = checkpoint.read(copy)
+    assert "sharded" not in state
+    model = GPT(GPTConfig(**state["model_config"]))
+    optimizer = build_optimizer(model, tiny_cfg(*RUN).train, {})
+    checkpoint.restore(state, model, optimizer, torch.amp.GradScaler("cpu", enabled=False))
+    assert len(optimizer.state) == len(list(model.parameters()))
+    torch.testing.assert_close(model.state_dict(), loaded.state_dict())
     evaluated = load_script("evaluate").evaluate_model(tool_cfg("evaluate", f"run={runs['1f1b']}"))
     assert evaluated["val/loss"] == pytest.approx(logged(runs["1f1b"], "val/loss")[-1], rel=1e-5)
 
@@ -150,6 +176,12 @@ def test_what_cannot_run_is_refused_in_one_line(overrides, world: int, message: 
     with pytest.raises(ValueError, match=message) as refused:
         opt.plan(cfg, dist)
     assert "\n" not in str(refused.value)
+
+
+def test_the_bubble_in_theory() -> None:
+    assert bubble(2, 4) == pytest.approx(1 / 5)  # GPipe/1F1B: (p-1)/(m+p-1)
+    assert bubble(4, 8, stages_per_rank=2) == pytest.approx(3 / 19)  # interleaved: v·m
+    assert bubble(4, 8) > bubble(4, 16) > bubble(4, 16, stages_per_rank=2)
 
 
 def test_planning_a_pipeline() -> None:
