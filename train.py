@@ -205,6 +205,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     if resumed:
         config.check_resume(resumed["config"], cfg)
         data.check_corpus(resumed.get("corpus"), corpus)
+        if "pp" in plan.stages:
+            opt.pp.check_resume(resumed["stages"])
         if resumed["step"] >= cfg.train.max_steps:
             return finished_already(run_dir, resumed["step"], dist)
     profiler = Profiler(cfg.prof, run_dir, dist.device, enabled=dist.is_main)  # memory: from here

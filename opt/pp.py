@@ -92,6 +92,17 @@ def check_pp(cfg: DictConfig, *, batch_size: int, world_size: int, scale_loss: b
             raise ConfigError(f"+opt=pp with {why}")
 
 
+def check_resume(saved_stages: list[str]) -> None:
+    """A pipeline resumes a pipeline's checkpoint, of any degree or schedule (each rank finds
+    its stages' shards by name); one written without +opt=pp holds the tied head weight and the
+    optimizer state in layouts the stages cannot read yet."""
+    if "pp" not in saved_stages:
+        raise ConfigError(
+            "train.resume=true with +opt=pp: this checkpoint was written without +opt=pp, "
+            "which a pipeline cannot resume yet: resume it without +opt=pp"
+        )
+
+
 def _check_split(split: list[int] | None, stages: int, n_layer: int) -> None:
     if split is None:
         return

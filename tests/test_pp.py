@@ -5,6 +5,7 @@ process and loads for sampling; the split, the pruning and the refusals, in this
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from test_after_training import tool_cfg
 from test_distributed import _launch
 
 import opt
-from conftest import TINY, load_script, logged, make_cfg, tiny_cfg
+from conftest import ROOT, TINY, load_script, logged, make_cfg, tiny_cfg
 from model import GPT, GPTConfig
 from opt.pp import bubble, prune, stage_starts
 from recipe import checkpoint, distributed
@@ -123,6 +124,17 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_and_samples(runs, tmp_path
     torch.testing.assert_close(model.state_dict(), loaded.state_dict())
     evaluated = load_script("evaluate").evaluate_model(tool_cfg("evaluate", f"run={runs['1f1b']}"))
     assert evaluated["val/loss"] == pytest.approx(logged(runs["1f1b"], "val/loss")[-1], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_a_pipeline_refuses_a_checkpoint_written_without_it(tmp_path) -> None:
+    args = ("model.n_layer=4", "train.max_steps=1", "sample.num_samples=0", "wandb.mode=disabled")
+    train(tiny_cfg(*args), tmp_path, overrides=[*TINY, *args])
+    command = [*distributed.torchrun(2), "train.py", f"hydra.run.dir={tmp_path}",
+               "train.resume=true", "train.max_steps=2", "+opt=pp"]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "this checkpoint was written without +opt=pp" in done.stdout + done.stderr
 
 
 def _gpt(n_layer: int = 6, vocab_size: int = 64) -> GPT:
