@@ -110,10 +110,10 @@ def train_step(
     if plan.step_in_backward:  # every parameter has stepped already, its gradient freed
         return losses, guard.steps_in_backward_done(losses)
     scaler.unscale_(optimizer)  # clip the true gradients
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     if pipeline:  # the norm over every stage
         grad_norm = train_model.clip_grad_norm_(grad_clip)
     else:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     if isinstance(grad_norm, DTensor):  # FSDP: the global norm, replicated on every rank
         grad_norm = grad_norm.full_tensor()
@@ -198,7 +198,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
-    dist = plan.dist or dist  # +opt=pp: the processes as a mesh
+    dist = dist.with_mesh(pp=plan.pp_degree)  # +opt=pp: the processes as a pp x dp mesh
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
     resumed = checkpoint.read(run_dir) if cfg.train.resume else None
     corpus = data.corpus_identity(cfg.data)  # its sources' content, tokenizer and dtype
@@ -231,10 +231,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     if resumed:
         checkpoint.check_shape(resumed, model.config)
     # The whole model's size and cost, counted before +opt=pp keeps this rank's stages only.
-    num_params, flops_per_token = (
-        model.num_params(False),
-        model.flops_per_token(cfg.model.block_size),
-    )
+    num_params = model.num_params(exclude_positions=False)
+    flops_per_token = model.flops_per_token(cfg.model.block_size)
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
     # Under +opt=pp each rank keeps only its stages of `model`: evaluation runs the pipeline.
     evaluated = train_model if isinstance(train_model, opt.Pipeline) else model

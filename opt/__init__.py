@@ -30,7 +30,6 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as torch_dist
 from omegaconf import DictConfig
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -88,7 +87,7 @@ class Plan:
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW  # lowbit: torchao's
     optimizer_kwargs: dict = field(default_factory=dict)
     step_in_backward: bool = False  # opt_in_backward: each parameter steps from its grad hook
-    dist: Distributed | None = None  # the processes as +opt=pp arranges them; None: as given
+    pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
 
     @property
     def micro_batch_size(self) -> int:
@@ -231,8 +230,7 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
         p.step_in_backward = True
     if "pp" in stages:
         check_pp(cfg, batch_size=p.batch_size, world_size=dist.world_size, scale_loss=p.scale_loss)
-        # The pipeline group; planning without processes (tests, scripts) checks the count only.
-        p.dist = dist.with_mesh(pp=opt.pp.degree) if torch_dist.is_initialized() else dist
+        p.pp_degree = opt.pp.degree
     return p
 
 
