@@ -68,20 +68,7 @@ def check_pp(cfg: DictConfig, *, batch_size: int, world_size: int, scale_loss: b
             "(opt.pp.degree x opt.pp.stages_per_rank): lower either"
         )
     _check_split(pp.split, stages, cfg.model.n_layer)
-    m = pp.microbatches
-    if m < 1 or batch_size % m:
-        raise ConfigError(
-            f"opt.pp.microbatches={m} must divide the batch size {batch_size} (train.batch_size, "
-            "or opt.bs.batch_size with +opt=bs)"
-        )
-    if pp.schedule == "1f1b" and m < stages:
-        raise ConfigError(f"opt.pp.microbatches={m}: 1f1b needs at least one per stage ({stages})")
-    rounds = max(1, m // pp.degree)
-    if interleaved and m % rounds:
-        raise ConfigError(
-            f"opt.pp.microbatches={m}: interleaved_1f1b needs a multiple of {rounds} (its rounds "
-            f"of opt.pp.degree={pp.degree})"
-        )
+    _check_microbatches(pp, batch_size, stages)
     for refused, why in [
         (cfg.train.hellaswag, "train.hellaswag=true: HellaSwag scores the whole model on one "
          "rank; score the run's checkpoint with scripts/evaluate.py"),
@@ -90,6 +77,23 @@ def check_pp(cfg: DictConfig, *, batch_size: int, world_size: int, scale_loss: b
     ]:  # fmt: skip
         if refused:
             raise ConfigError(f"+opt=pp with {why}")
+
+
+def _check_microbatches(pp: DictConfig, batch_size: int, stages: int) -> None:
+    m = pp.microbatches
+    if m < 1 or batch_size % m:
+        raise ConfigError(
+            f"opt.pp.microbatches={m} must divide the batch size {batch_size} (train.batch_size, "
+            "or opt.bs.batch_size with +opt=bs)"
+        )
+    if pp.schedule == "1f1b" and m < stages:
+        raise ConfigError(f"opt.pp.microbatches={m}: 1f1b needs at least one per stage ({stages})")
+    rounds = max(1, m // pp.degree)  # torch's interleaved schedule runs m in rounds of degree
+    if pp.schedule == "interleaved_1f1b" and m % rounds:
+        raise ConfigError(
+            f"opt.pp.microbatches={m}: interleaved_1f1b needs a multiple of {rounds} (its rounds "
+            f"of opt.pp.degree={pp.degree})"
+        )
 
 
 def check_resume(saved_stages: list[str]) -> None:

@@ -175,6 +175,8 @@ def test_each_rank_keeps_its_stages_under_the_full_models_names() -> None:
          "model.n_layer=2 blocks cannot fill 4 pipeline stages"),
         (["opt.pp.microbatches=3"], 2, "opt.pp.microbatches=3 must divide the batch size 8"),
         (["opt.pp.microbatches=1"], 2, "1f1b needs at least one per stage \\(2\\)"),
+        (["opt.pp.schedule=interleaved_1f1b", "opt.pp.stages_per_rank=2", "train.batch_size=10",
+          "opt.pp.microbatches=5"], 2, "interleaved_1f1b needs a multiple of 2"),
         (["opt.pp.split=[0]"], 2, "opt.pp.split=\\[0\\]: give the 1 increasing block indices"),
         (["opt.pp.split=[4]"], 2, "opt.pp.split=\\[4\\]: model.n_layer=4 blocks end before it"),
         (["train.hellaswag=true"], 2, "\\+opt=pp with train.hellaswag=true"),
