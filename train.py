@@ -91,25 +91,34 @@ def train_step(
     """One optimizer step on this rank's batch: forward and backward per micro-batch (gradients
     add up; across ranks they are reduced after the last one, or after each under FSDP, see
     opt/accum.py), unscale, clip, then the step unless the loss or the gradients are not finite
-    (recipe/guard.py); under +opt=opt_in_backward each parameter stepped in backward instead.
+    (recipe/guard.py); under +opt=opt_in_backward each parameter stepped in backward instead;
+    under +opt=pp the pipeline's schedule runs the micro-batches (opt/pp.py).
     Returns the sum of the micro-batch losses and the gradient norm, both left on the device
     (no sync)."""
-    losses = torch.zeros((), device=inputs.device)
-    micro_batches = zip(
-        inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
-    )
-    for micro_step, (x, y) in enumerate(micro_batches):
-        last = micro_step == plan.micro_steps - 1
-        with opt.gradient_sync(train_model, last or not plan.defer_reduce), plan.loss_context():
-            with plan.autocast(inputs.device):
-                _, loss = train_model(x, y)
-            scaler.scale(loss / plan.micro_steps).backward()
-        losses += loss.detach()
+    pipeline = isinstance(train_model, opt.Pipeline)
+    if pipeline:  # the step's loss, the same on every stage
+        losses = train_model.forward_backward(inputs, targets)
+    else:
+        losses = torch.zeros((), device=inputs.device)
+        micro_batches = zip(
+            inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
+        )
+        for micro_step, (x, y) in enumerate(micro_batches):
+            last = micro_step == plan.micro_steps - 1
+            sync = opt.gradient_sync(train_model, last or not plan.defer_reduce)
+            with sync, plan.loss_context():
+                with plan.autocast(inputs.device):
+                    _, loss = train_model(x, y)
+                scaler.scale(loss / plan.micro_steps).backward()
+            losses += loss.detach()
     if plan.step_in_backward:  # every parameter has stepped already, its gradient freed
         return losses, guard.steps_in_backward_done(losses)
     scaler.unscale_(optimizer)  # clip the true gradients
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if pipeline:  # the norm over every stage
+        grad_norm = train_model.clip_grad_norm_(grad_clip)
+    else:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     if isinstance(grad_norm, DTensor):  # FSDP: the global norm, replicated on every rank
         grad_norm = grad_norm.full_tensor()
     guard.step(optimizer, scaler, losses, grad_norm)
@@ -131,9 +140,11 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
-    dist = dist.with_mesh(tp=plan.tp_degree)  # +opt=tp: the processes as a dp x tp mesh
+    dist = dist.with_mesh(pp=plan.pp_degree, tp=plan.tp_degree)  # +opt=pp, +opt=tp: a mesh
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
     run = RunState.start(run_dir, cfg)  # step 0, or the checkpoint's: config and corpus checked
+    if cfg.train.resume and "pp" in plan.stages:
+        opt.pp.check_resume(run.stages)
     t, max_steps = cfg.train, cfg.train.max_steps
     if run.finished(max_steps):
         return finished_already(run_dir, run.step, dist)
@@ -154,7 +165,12 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     with torch.device(dist.device):  # initialised in place: no host copy of the weights
         model = build_model(cfg.model)
     run.check_shape(model.config)
+    # The whole model's size and cost, counted before +opt=pp keeps this rank's stages only.
+    num_params = model.num_params(exclude_positions=False)
+    flops_per_token = model.flops_per_token(cfg.model.block_size)
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
+    # Under +opt=pp each rank keeps only its stages of `model`: evaluation runs the pipeline.
+    evaluated = train_model if isinstance(train_model, opt.Pipeline) else model
 
     # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard; then
     # the stages that change when the optimizer steps (opt_in_backward: during backward)
@@ -169,17 +185,17 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     logger = open_run_folder(run_dir, folder, cfg, resolved, overrides, plan, dist, run)
     run.begin(resolved, model.config, plan.stages, optimizer, logger.wandb_id,
               samples_per_step=plan.batch_size * dist.dp_size)  # fmt: skip
-    distributed.log(opening_line(cfg, run_dir, model, plan, dist, run.step))
+    distributed.log(opening_line(cfg, run_dir, num_params, plan, dist, run.step))
 
     # ---- the loop. Nothing in it waits for the GPU except at log, eval and checkpoint steps.
     meter = LoopMeter(
-        dist.device, batches, perf_args(cfg, model, plan, dist), started=started,
+        dist.device, batches, perf_args(cfg, flops_per_token, plan, dist), started=started,
         warmup_steps=cfg.perf.warmup_steps, compiled="compile" in plan.stages,
     )  # fmt: skip
     losses = LossWindow(dist.device)  # summed on the device: no .item() per step
     step = run.step
     if step == 0:
-        logger.log(validation(model, val_loader, hellaswag_items, plan, dist), step)
+        logger.log(validation(evaluated, val_loader, hellaswag_items, plan, dist), step)
     saver = checkpoint.Saver.for_run(run_dir, dist, t)  # train.checkpoint_interval, keep_*, ...
     with checkpoint.StopSignal() as stop:
         meter.start()
@@ -203,7 +219,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
             val_loss = None  # this step's, when evaluated: keep_best's measure of a checkpoint
             if step % t.eval_interval == 0 or step == max_steps:
                 with meter.paused():
-                    validated = validation(model, val_loader, hellaswag_items, plan, dist)
+                    validated = validation(evaluated, val_loader, hellaswag_items, plan, dist)
                     logger.log(validated, step)
                 val_loss = validated["val/loss"]
             stopping = dist.any_one_step_late(stop.requested)  # no barrier: agreed a step later
@@ -224,7 +240,9 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     summary: dict[str, Any] = {"step": step, "stages": plan.stages, "completed": step == max_steps,
                                "stopped_by": stop.signal,  # SIGTERM/SIGINT: a sweep then stops
                                **meter.summary(), **memory_gib(dist.device)}  # fmt: skip
-    if step == max_steps and cfg.sample.num_samples:  # every rank samples: FSDP needs them all
+    # Every rank samples (FSDP needs them all); under +opt=pp no rank holds the whole model:
+    # sample.py samples the checkpoint (the closing line says how).
+    if step == max_steps and cfg.sample.num_samples and evaluated is model:
         final_samples(model, cfg, plan, dist, run_dir, step)
     summary = logger.finish(summary, run_dir)
     distributed.log(closing_line(run_dir, step, max_steps))
@@ -238,12 +256,12 @@ def tokens_per_step(cfg: DictConfig, plan: opt.Plan, dist: distributed.Distribut
 
 
 def perf_args(
-    cfg: DictConfig, model: GPT, plan: opt.Plan, dist: distributed.Distributed
+    cfg: DictConfig, flops_per_token: float, plan: opt.Plan, dist: distributed.Distributed
 ) -> dict[str, Any]:
     """What turns step times into throughput and MFU (recipe/metrics.py's `throughput`)."""
     return dict(
         tokens_per_step=tokens_per_step(cfg, plan, dist),
-        flops_per_token=model.flops_per_token(cfg.model.block_size),
+        flops_per_token=flops_per_token,
         peak_flops=peak_flops(dist.device, cfg.perf.peak_tflops),
         world_size=dist.world_size,
     )
@@ -280,14 +298,14 @@ def open_run_folder(
 def opening_line(
     cfg: DictConfig,
     run_dir: Path,
-    model: GPT,
+    num_params: int,
     plan: opt.Plan,
     dist: distributed.Distributed,
     start_step: int,
 ) -> str:
     """The run's first console line: its name, size, processes, batch, steps and folder."""
     return (
-        f"[train] {run_name(cfg, plan)}: {model.num_params(exclude_positions=False) / 1e6:.1f}M "
+        f"[train] {run_name(cfg, plan)}: {num_params / 1e6:.1f}M "
         f"parameters on {dist.world_size} x {dist.device.type}, "
         f"{tokens_per_step(cfg, plan, dist):,} tokens per step, steps "
         f"{start_step}..{cfg.train.max_steps}, run folder {run_dir}"

@@ -8,13 +8,15 @@ order, whatever order they were listed in:
     optimizer forloop | foreach | fused      AdamW's implementation, or torchao's low-bit AdamW
               | lowbit
     model     custom_op -> tp -> ac          the fused head + loss replaces a piece of the model
-              -> compile                     before anything wraps it; tensor parallelism then
+              -> compile -> pp               before anything wraps it; tensor parallelism then
               -> ddp | fsdp | offload        splits the matmuls (checkpointing recomputes and
                                              compile traces the DTensor program; FSDP and DDP
                                              take the data-parallel dimension of its mesh);
                                              checkpointing is applied before compile so that
                                              compile traces the recomputation; compile works
-                                             on the module (DTensors included),
+                                             on the module (DTensors included; under pp in
+                                             pieces: each block, embed and head), before pp
+                                             splits it into stages that call those pieces, and
                                              before the data-parallel wrappers (and offload's
                                              FSDP) hook into its parameters and gradients.
     step      opt_in_backward                last, on the built optimizer: it hooks the
@@ -49,6 +51,7 @@ from opt.non_blocking import apply_non_blocking
 from opt.offload import apply_offload, offloads
 from opt.opt_in_backward import apply_opt_in_backward
 from opt.optimizer_impl import IMPLEMENTATIONS, apply_optimizer_impl
+from opt.pp import Pipeline, apply_pp, check_pp
 from opt.tf32 import apply_tf32
 from opt.tp import apply_tp, check_tp, check_tp_model, tp_loss_context
 from opt.workers import apply_workers
@@ -61,12 +64,13 @@ ORDER = (
     "workers", "non_blocking",
     "tf32", "amp",
     *IMPLEMENTATIONS, "lowbit",
-    "custom_op", "tp", "ac", "compile", "ddp", "fsdp", "offload",
+    "custom_op", "tp", "ac", "compile", "pp", "ddp", "fsdp", "offload",
     "opt_in_backward",
 )  # fmt: skip
 
 __all__ = [
-    "ORDER", "Plan", "apply_model_stages", "apply_optimizer_stages", "gradient_sync", "plan"
+    "ORDER", "Pipeline", "Plan", "apply_model_stages", "apply_optimizer_stages", "gradient_sync",
+    "plan",
 ]  # fmt: skip
 
 
@@ -89,6 +93,7 @@ class Plan:
     step_in_backward: bool = False  # opt_in_backward: each parameter steps from its grad hook
     tp_degree: int = 1  # +opt=tp: ranks per tensor-parallel group (Distributed.with_mesh)
     vocab_parallel_loss: bool = False  # +opt=tp's loss_parallel: see loss_context
+    pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
 
     @property
     def micro_batch_size(self) -> int:
@@ -155,6 +160,15 @@ CONFLICTS = {
     ("tp", "offload"): "offload runs in one process, tp over several",
     ("tp", "opt_in_backward"): "each parameter would step before its gradient is reduced over "
     "the tensor-parallel ranks",
+    ("pp", "accum"): "opt.pp.microbatches is the pipeline's own gradient accumulation",
+    ("pp", "custom_op"): "the fused head + loss has no ignored targets, which the pipeline's "
+    "evaluation pads a short batch with",
+    ("pp", "ddp"): "pipeline stages with data parallelism over several pipelines are not done yet",
+    ("pp", "fsdp"): "pipeline stages with data parallelism over several pipelines are not done yet",
+    ("pp", "offload"): "offload runs in one process, pp over several",
+    ("pp", "opt_in_backward"): "the pipeline's tied weights and global clipping need every "
+    "gradient before the step",
+    ("pp", "tp"): "pipeline x tensor-parallel meshes are not done yet",
 }
 # Stages for one process: a multi-process run wraps the model in DDP, whose gradient reduction
 # runs after the hooks that step (opt_in_backward), or shards it (offload's one-process FSDP).
@@ -240,6 +254,9 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
     if "opt_in_backward" in stages:
         check_step_in_backward(cfg.train.grad_clip, p.scale_loss)
         p.step_in_backward = True
+    if "pp" in stages:
+        check_pp(cfg, batch_size=p.batch_size, world_size=dist.world_size, scale_loss=p.scale_loss)
+        p.pp_degree = opt.pp.degree
     return p
 
 
@@ -284,8 +301,10 @@ def apply_model_stages(model: GPT, opt: DictConfig, p: Plan, dist: Distributed) 
         apply_tp(model, opt.tp, dist)
     if "ac" in p.stages:
         apply_ac(model, opt.ac)
-    if "compile" in p.stages:
-        apply_compile(model, opt.compile, sharded=p.sharded(dist.device))
+    if "compile" in p.stages:  # under pp in pieces (each block, embed, head), as under FSDP
+        apply_compile(model, opt.compile, sharded=p.sharded(dist.device) or "pp" in p.stages)
+    if "pp" in p.stages:  # each rank keeps its stages of `model`; the pipeline runs them
+        return apply_pp(model, opt.pp, dist, lambda: p.autocast(dist.device), p.batch_size)
     if "fsdp" in p.stages:
         return apply_fsdp(model, opt.fsdp, dist, p.amp_dtype)
     if "offload" in p.stages:

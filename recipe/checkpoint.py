@@ -90,6 +90,18 @@ def _is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def _pipelined(dist: Distributed) -> bool:
+    """+opt=pp: each rank holds other parameters (its stages), under the full model's names."""
+    return dist.mesh is not None and dist.mesh["pp"].size() > 1
+
+
+def _optimizer_options(flat: bool) -> StateDictOptions:
+    """The optimizer state keyed per parameter (`state.<name>.exp_avg`, `param_groups.<name>.lr`)
+    when `flat`: pipeline ranks hold different parameters, and DCP would keep one rank's copy of
+    an unflattened `param_groups` list (it takes equal keys for replicas)."""
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
 def _weights_finite(model: torch.nn.Module, dist: Distributed) -> bool:
     """True on every rank if every rank's weights (or shards) are finite."""
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
@@ -478,7 +490,7 @@ class Saver:
             )
         meta = {"scaler": scaler.state_dict(), "step": step, "rng": dist.gather(_rng_state()),
                 **run_state}  # fmt: skip
-        if _is_sharded(model):
+        if _is_sharded(model) or _pipelined(dist):
             if self.async_save and self._group is None:
                 self._group = _background_group() or True
             background = self._group if self.async_save else False
@@ -646,7 +658,9 @@ def _save_sharded(
         shutil.rmtree(target, ignore_errors=True)  # a half-written attempt at this step
         root.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    flat = _pipelined(dist)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_optimizer_options(flat))
+    meta = {**meta, "flat_optimizer": flat}  # how restore asks for it back
     tied = _tied(model)  # saved once, under the name they are tied to
     model_state = {k: v for k, v in model_state.items() if k not in tied}
     states = _dcp_layout({"model": model_state, "optimizer": optim_state})
@@ -870,7 +884,34 @@ def unsharded(state: dict[str, Any]) -> dict[str, Any]:
         tied = _tied(GPT(GPTConfig(**state["model_config"])))
     for name, saved_as in tied.items():
         whole["model"].setdefault(name, whole["model"][saved_as])
+    if state.get("flat_optimizer") and "optimizer" in whole:
+        whole["optimizer"] = _unflattened(whole["optimizer"], skip=set(tied))
     return whole
+
+
+def _unflattened(flat: dict[str, Any], skip: set[str]) -> dict[str, Any]:
+    """A flattened optimizer state (`state.<name>.<key>`, `param_groups.<name>.<key>`: +opt=pp)
+    as `checkpoint.pt` holds it: {"state": {name: {key: value}}, "param_groups": [...]}, one
+    group per distinct setting, in the order of their first parameter. `skip`: the pipeline's
+    copies of tied weights, whose state is the weight's."""
+    nested: dict[str, dict[str, dict[str, Any]]] = {"state": {}, "param_groups": {}}
+    for flat_key, value in flat.items():
+        part, rest = flat_key.split(".", 1)
+        name, key = rest.rsplit(".", 1)
+        if name not in skip:
+            nested[part].setdefault(name, {})[key] = value
+    groups: list[dict[str, Any]] = []
+    for name, settings in nested["param_groups"].items():
+        group = next((g for g in groups if _settings(g) == settings), None)
+        if group is None:
+            group = {**settings, "params": []}
+            groups.append(group)
+        group["params"].append(name)
+    return {"state": nested["state"], "param_groups": groups}
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def check_shape(state: dict[str, Any], config: Any) -> None:
@@ -906,11 +947,12 @@ def restore(
     more)."""
     same_optimizer = _same_optimizer(state, optimizer)
     if "sharded" in state:
+        options = _optimizer_options(state.get("flat_optimizer", False))
         loaded: dict[str, Any] = {"model": get_model_state_dict(model)}
         if same_optimizer:
-            loaded["optimizer"] = get_optimizer_state_dict(model, optimizer)
+            loaded["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
         loaded = _load_sharded(state["sharded"], model, loaded)
-        _set_state(model, optimizer, loaded["model"], loaded.get("optimizer"))
+        _set_state(model, optimizer, loaded["model"], loaded.get("optimizer"), options=options)
     else:
         optim_state = state["optimizer"] if same_optimizer else None
         full = StateDictOptions(full_state_dict=True)

@@ -8,13 +8,13 @@ room: the stages import the trainer's plumbing, not the other way round)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from omegaconf import DictConfig
 
 import data
-from model import GPT
+from model import GPTConfig
 from recipe import distributed, hellaswag
 
 
@@ -58,18 +58,19 @@ def evaluate(
 
 
 def validation(
-    model: GPT,
+    model: torch.nn.Module,
     val_loader: torch.utils.data.DataLoader,
     hellaswag_items: list[dict] | None,
     plan: EvalPlan,
     dist: distributed.Distributed,
 ) -> dict[str, float | None]:
     """`val/loss`, and under `train.hellaswag=true` the HellaSwag accuracies (every rank scores
-    its share of the items)."""
+    its share of the items). `model` is the GPT, or under +opt=pp the pipeline that runs it
+    (no HellaSwag there: opt/pp.py refuses it)."""
     metrics: dict[str, float | None] = {"val/loss": evaluate(model, val_loader, plan, dist)}
     if hellaswag_items:
         scores = hellaswag.evaluate(
-            model, hellaswag_items, block_size=model.config.block_size, dist=dist,
+            model, hellaswag_items, block_size=cast(GPTConfig, model.config).block_size, dist=dist,
             autocast=plan.autocast(dist.device),
         )  # fmt: skip
         metrics |= {f"val/hellaswag_{c}": scores[c] for c in hellaswag.CONVENTIONS}

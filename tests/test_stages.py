@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import opt
 from conftest import CONF, compiled_against_eager, logged, make_cfg, tiny_cfg
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
+from recipe import distributed
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
 from train import train, train_step
@@ -37,6 +39,9 @@ REFUSED = {
         ("offload", "fsdp"), ("offload", "ddp"), ("opt_in_backward", "accum"),
         ("opt_in_backward", "ddp"), ("opt_in_backward", "fsdp"), ("opt_in_backward", "offload"),
         ("tp", "custom_op"), ("tp", "offload"), ("tp", "opt_in_backward"),
+        ("pp", "accum"), ("pp", "custom_op"), ("pp", "ddp"), ("pp", "fsdp"), ("pp", "offload"),
+        ("pp", "opt_in_backward"),
+        ("pp", "tp"),
     ]  # (opt_in_backward with amp: refused in float16 only, test_memory_stages; auto here: bf16)
 }  # fmt: skip
 # Stages that run in one process only (and fsdp, in several only): planned for the right world.
@@ -191,6 +196,30 @@ def test_accumulation_gives_the_full_batch_loss_and_gradients() -> None:
     assert accum[0].item() == pytest.approx(full[0].item(), rel=1e-6)  # mean of the micro-losses
     assert accum[1].item() == pytest.approx(full[1].item(), rel=1e-5)  # gradient norm
     for a, b in zip(accum[2].grads, full[2].grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_pp_runs_the_step_through_the_pipeline_schedule(tmp_path, monkeypatch) -> None:
+    """+opt=pp's step is the schedule's (here one stage on one rank, 4 micro-batches): the
+    full batch's loss, gradients and norm, from the pipeline's own forward and backward."""
+    batch = torch.randint(0, 64, (8, 9))
+    full = _step(_toy(), opt.plan(tiny_cfg("train.batch_size=8"), SINGLE), batch)
+    with _world_of_one(tmp_path):
+        mesh = distributed.build_mesh(CPU, 1, 1, 1)
+        cfg = tiny_cfg("+opt=pp", "opt.pp.degree=1", "opt.pp.schedule=gpipe")
+        plan = opt.Plan(stages=["pp"], batch_size=8)  # one rank: opt.plan wants 2+
+        model = _toy()
+        pipeline = opt.apply_model_stages(model, cfg.opt, plan, replace(SINGLE, mesh=mesh))
+        assert isinstance(pipeline, opt.Pipeline)
+        calls = []
+        schedule_step = pipeline.schedule.step
+        counted = lambda *a, **k: calls.append(1) or schedule_step(*a, **k)  # noqa: E731
+        monkeypatch.setattr(pipeline.schedule, "step", counted)
+        piped = _step(pipeline, plan, batch, GradRecorder(model.parameters()))  # model's order
+    assert calls == [1]
+    assert piped[0].item() == pytest.approx(full[0].item(), rel=1e-6)  # the micro-batches' mean
+    assert piped[1].item() == pytest.approx(full[1].item(), rel=1e-5)  # gradient norm
+    for a, b in zip(piped[2].grads, full[2].grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 

@@ -34,7 +34,7 @@ from tools import loading
 config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
 
 # Stages that spread training over processes: one process evaluates, with the rest of the plan.
-SPREADING = ("ddp", "fsdp")
+SPREADING = ("ddp", "fsdp", "pp", "tp")
 # The optimizer's stage changes nothing evaluated (and would need torchao to plan): left out too.
 OPTIMIZER_ONLY = ("lowbit",)
 TASKS = ("val_loss", "hellaswag")

@@ -1,0 +1,329 @@
+"""`+opt=pp`: pipeline parallelism with `torch.distributed.pipelining`. The model's blocks are
+split into consecutive stages over `opt.pp.degree` processes (the embeddings with the first
+stage, the final norm, the head and the loss with the last); each step's batch runs through
+them as `opt.pp.microbatches` micro-batches, so that the ranks compute at once, in the order the
+schedule gives: `gpipe` (every forward, then every backward), `1f1b` (one forward, one backward:
+at most a stage's worth of micro-batches alive) or `interleaved_1f1b` (several stages per rank,
+rank r holding stages r, r+degree, ...: a smaller bubble for more communication).
+
+Each rank keeps only its own part of the GPT (`prune`), under the full model's names
+(`transformer.h.<i>`), so that its checkpoint shards resume on any layout. GPT-2 ties the head
+to the token embedding, which live on the first and the last stage: the last stage trains its
+own copy, and the two gradients are summed over both before the step (`Pipeline`), so that
+both copies take the same update, the one the single process takes for the tied weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from model import GPT, GPTConfig
+from recipe.distributed import Distributed, log, mesh_shape
+from recipe.errors import ConfigError
+
+IGNORED = -100  # F.cross_entropy's ignore_index: the targets of evaluation's padding rows
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+
+
+def check_pp(cfg: DictConfig, *, batch_size: int, world_size: int, scale_loss: bool) -> None:
+    """Refuses what cannot run, in one line each, before any work starts (opt.plan calls it)."""
+    pp = cfg.opt.pp
+    if pp.schedule not in SCHEDULES:
+        raise ConfigError(f"opt.pp.schedule={pp.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if pp.degree < 2:
+        raise ConfigError(f"opt.pp.degree={pp.degree}: a pipeline needs 2+ ranks; drop +opt=pp")
+    if mesh_shape(world_size, pp.degree, 1)[1] != 1:  # refuses a count that is no multiple too
+        raise ConfigError(
+            f"opt.pp.degree={pp.degree} on {world_size} processes: +opt=pp runs one pipeline (no "
+            f"data parallelism over several yet): launch torchrun --nproc_per_node={pp.degree}"
+        )
+    interleaved = pp.schedule == "interleaved_1f1b"
+    if interleaved != (pp.stages_per_rank >= 2) or pp.stages_per_rank < 1:
+        raise ConfigError(
+            f"opt.pp.stages_per_rank={pp.stages_per_rank} with opt.pp.schedule={pp.schedule}: "
+            "interleaved_1f1b needs 2 or more stages per rank, gpipe and 1f1b exactly 1"
+        )
+    stages = pp.degree * pp.stages_per_rank
+    if cfg.model.n_layer < stages:
+        raise ConfigError(
+            f"model.n_layer={cfg.model.n_layer} blocks cannot fill {stages} pipeline stages "
+            "(opt.pp.degree x opt.pp.stages_per_rank): lower either"
+        )
+    _check_split(pp.split, stages, cfg.model.n_layer)
+    _check_microbatches(pp, batch_size, stages)
+    for refused, why in [
+        (cfg.train.hellaswag, "train.hellaswag=true: HellaSwag scores the whole model on one "
+         "rank; score the run's checkpoint with scripts/evaluate.py"),
+        (scale_loss, "opt.amp.dtype=float16: the schedule runs backward itself, without the "
+         "loss scaler; use opt.amp.dtype=bfloat16"),
+    ]:  # fmt: skip
+        if refused:
+            raise ConfigError(f"+opt=pp with {why}")
+
+
+def _check_microbatches(pp: DictConfig, batch_size: int, stages: int) -> None:
+    m = pp.microbatches
+    if m < 1 or batch_size % m:
+        raise ConfigError(
+            f"opt.pp.microbatches={m} must divide the batch size {batch_size} (train.batch_size, "
+            "or opt.bs.batch_size with +opt=bs)"
+        )
+    if pp.schedule == "1f1b" and m < stages:
+        raise ConfigError(f"opt.pp.microbatches={m}: 1f1b needs at least one per stage ({stages})")
+    rounds = max(1, m // pp.degree)  # torch's interleaved schedule runs m in rounds of degree
+    if pp.schedule == "interleaved_1f1b" and m % rounds:
+        raise ConfigError(
+            f"opt.pp.microbatches={m}: interleaved_1f1b needs a multiple of {rounds} (its rounds "
+            f"of opt.pp.degree={pp.degree})"
+        )
+
+
+def check_resume(saved_stages: list[str]) -> None:
+    """A pipeline resumes a pipeline's checkpoint, of any degree or schedule (each rank finds
+    its stages' shards by name); one written without +opt=pp holds the tied head weight and the
+    optimizer state in layouts the stages cannot read yet."""
+    if "pp" not in saved_stages:
+        raise ConfigError(
+            "train.resume=true with +opt=pp: this checkpoint was written without +opt=pp, "
+            "which a pipeline cannot resume yet: resume it without +opt=pp"
+        )
+
+
+def _check_split(split: list[int] | None, stages: int, n_layer: int) -> None:
+    if split is None:
+        return
+    starts = list(split)
+    if len(starts) != stages - 1 or starts != sorted(set(starts)) or starts[0] < 1:
+        raise ConfigError(
+            f"opt.pp.split={starts}: give the {stages - 1} increasing block indices where stages "
+            f"1..{stages - 1} start (stage 0 starts at block 0), or null to balance them"
+        )
+    if starts[-1] >= n_layer:
+        raise ConfigError(f"opt.pp.split={starts}: model.n_layer={n_layer} blocks end before it")
+
+
+def stage_starts(model: GPT, split: list[int] | None, stages: int) -> list[int]:
+    """The block where each stage starts, then n_layer: `split`'s, or balanced by parameters.
+    The blocks are alike, so each in turn goes to the lightest stage (which minimises the
+    heaviest), starting from one block each plus the embeddings (first) and the head (last)."""
+    t: Any = model.transformer  # a ModuleDict, whose attributes are untyped
+    n_layer = len(t.h)
+    if split is not None:
+        return [0, *split, n_layer]
+    block = sum(p.numel() for p in t.h[0].parameters())
+    load = [block] * stages
+    load[0] += t.wte.weight.numel() + t.wpe.weight.numel()
+    load[-1] += model.lm_head.weight.numel() + sum(p.numel() for p in t.ln_f.parameters())
+    counts = [1] * stages
+    for _ in range(n_layer - stages):
+        lightest = min(range(stages), key=load.__getitem__)
+        counts[lightest] += 1
+        load[lightest] += block
+    return list(itertools.accumulate([0, *counts]))
+
+
+# +opt=amp's autocast (Plan.autocast), entered around each forward: not around the schedule's
+# step, whose backward autocast must not see.
+Autocast = Callable[[], contextlib.AbstractContextManager]
+
+
+class Stage(nn.Module):
+    """One pipeline stage: the embeddings (first stage), its blocks in order. It holds exactly
+    its parameters (the schedule scales their gradients); the last stage also holds the final
+    norm and the head, which the schedule's loss function runs (`GPT.head`)."""
+
+    def __init__(
+        self, model: GPT, blocks: range, first: bool, last: bool, autocast: Autocast
+    ) -> None:
+        super().__init__()
+        self.autocast = autocast
+        t: Any = model.transformer
+        self.blocks = nn.ModuleList(t.h[str(i)] for i in blocks)
+        self.embeddings = nn.ModuleList([t.wte, t.wpe]) if first else None
+        self.head = nn.ModuleList([t.ln_f, model.lm_head]) if last else None
+        self.embed = model.embed  # a bound method: GPT's own code (compiled under +opt=compile)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            if self.embeddings is not None:
+                x = self.embed(x)
+            for block in self.blocks:
+                x = block(x)
+        return x
+
+
+def prune(model: GPT, blocks: list[int], first: bool, last: bool) -> None:
+    """Keeps only this rank's parts of `model`, in place, under the full model's names: the
+    blocks become a ModuleDict keyed by their index (`transformer.h.<i>` as before). The last
+    stage's head gets its own copy of the tied embedding (same values: every rank built the
+    same model from the same seed), unless this rank holds the first stage too (one rank)."""
+    t: Any = model.transformer
+    if last and not first:
+        model.lm_head.weight = nn.Parameter(t.wte.weight.detach().clone())
+    t.h = nn.ModuleDict({str(i): t.h[i] for i in blocks})
+    if not first:
+        del t["wte"], t["wpe"]
+    if not last:
+        del t["ln_f"], model.lm_head
+
+
+class Pipeline(nn.Module):
+    """This rank's stages and the schedule that runs them: the trainer's forward and backward
+    over the micro-batches of a step (`forward_backward`), the global gradient norm and its
+    clipping (`clip_grad_norm_`) and the evaluation loss (`forward`). Losses are known on the
+    last stage only: they are broadcast over the pipeline, so that every rank logs and guards
+    (recipe/guard.py) the same number."""
+
+    def __init__(
+        self,
+        stages: list[Stage],
+        schedule: ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B,
+        config: GPTConfig,
+        dist: Distributed,
+        tied: tuple[nn.Parameter | None, torch_dist.ProcessGroup | None],
+        batch_size: int,
+        microbatches: int,
+    ) -> None:
+        super().__init__()
+        # The step's batch: the schedule's buffers have the shapes of its micro-batches.
+        self.batch_size, self.microbatches = batch_size, microbatches
+        self.stages = nn.ModuleList(stages)
+        self.schedule, self.config = schedule, config
+        assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
+        self.group = dist.mesh["pp"].get_group()
+        self.last_rank = dist.mesh["pp"].size() - 1  # holds the last stage under every schedule
+        self.tied, self.tied_group = tied  # this rank's copy of the tied weight, and its pair
+        # The last stage's copy: its gradient, once summed, is the first stage's too.
+        self.head_copy = self.tied if stages[-1].head is not None else None
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One step's forward and backward through the schedule (gradients averaged over the
+        micro-batches); returns the step's loss (the micro-batches' mean) on every rank."""
+        losses: list[torch.Tensor] = []
+        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        if self.tied is not None and self.tied.grad is not None:  # the embedding's + the head's
+            torch_dist.all_reduce(self.tied.grad, group=self.tied_group)
+        return self._broadcast(torch.stack(losses).mean() if losses else None)
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[None, torch.Tensor]:
+        """The evaluation loss, as `GPT.forward` gives it (forward only, every rank). The
+        schedule's buffers have the step's shapes: a shorter (last) batch is padded with rows
+        whose targets the loss ignores, and each micro-batch's mean counts its real rows."""
+        real, pad = len(inputs), self.batch_size - len(inputs)
+        if pad:
+            inputs = torch.cat([inputs, inputs[-1:].expand(pad, -1)])
+            targets = torch.cat([targets, torch.full_like(targets[-1:], IGNORED).expand(pad, -1)])
+        losses: list[torch.Tensor] = []
+        self.schedule.eval(inputs, target=targets, losses=losses)
+        size = self.batch_size // self.microbatches
+        rows = [min(max(real - i * size, 0), size) for i in range(self.microbatches)]
+        total = sum(loss * n / real for loss, n in zip(losses, rows, strict=False) if n)
+        return None, self._broadcast(total if losses else None)
+
+    def _broadcast(self, loss: torch.Tensor | float | None) -> torch.Tensor:
+        """The last stage's `loss` (None elsewhere), on every rank."""
+        device = next(self.parameters()).device
+        value = torch.zeros((), device=device) if loss is None else torch.as_tensor(loss)
+        value = value.detach().to(device)
+        torch_dist.broadcast(value, group=self.group, group_src=self.last_rank)
+        return value
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clips every stage's gradients by their global norm (squares summed over the
+        pipeline; the last stage's copy of the tied weight counted once, on the first);
+        returns that norm, the same on every rank."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        counted = [p.grad for p in params if p is not self.head_copy and p.grad is not None]
+        square = torch.nn.utils.get_total_norm(counted).square()
+        torch_dist.all_reduce(square, group=self.group)
+        norm = square.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+
+def apply_pp(
+    model: GPT,
+    cfg: DictConfig,
+    dist: Distributed,
+    autocast: Autocast,
+    batch_size: int,
+) -> Pipeline:
+    """Splits `model` (pruned in place to this rank's stages) into a pipeline; returns it."""
+    assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
+    rank, degree = dist.mesh["pp"].get_local_rank(), cfg.degree
+    n_stages = degree * cfg.stages_per_rank
+    starts = stage_starts(model, cfg.split, n_stages)
+    mine = list(range(rank, n_stages, degree))  # looped: rank r holds r, r+degree, ...
+    first, last = mine[0] == 0, mine[-1] == n_stages - 1
+    blocks = [i for s in mine for i in range(starts[s], starts[s + 1])]
+    prune(model, blocks, first, last)
+    group = dist.mesh["pp"].get_group()
+    stages = [
+        Stage(model, range(starts[s], starts[s + 1]), s == 0, s == n_stages - 1, autocast)
+        for s in mine
+    ]
+    pipeline_stages = [
+        PipelineStage(stage, s, n_stages, dist.device, group=group)
+        for stage, s in zip(stages, mine, strict=True)
+    ]
+
+    def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with autocast():
+            return model.head(hidden, targets)[1]  # type: ignore[return-value]  # given targets
+
+    schedule_class = SCHEDULES[cfg.schedule]
+    held = pipeline_stages if schedule_class is ScheduleInterleaved1F1B else pipeline_stages[0]
+    schedule = schedule_class(held, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
+    tied = _tied_pair(model, dist, first, last)
+    layout = ", ".join(f"{starts[s]}-{starts[s + 1] - 1}" for s in range(n_stages))
+    log(
+        f"[opt] pp: {degree} ranks x {cfg.stages_per_rank} stage(s), blocks {layout}, "
+        f"{cfg.schedule} over {cfg.microbatches} micro-batches, idle in theory "
+        f"{bubble(degree, cfg.microbatches, cfg.stages_per_rank):.0%} of the step (the bubble)"
+    )
+    return Pipeline(stages, schedule, model.config, dist, tied, batch_size, cfg.microbatches)
+
+
+def bubble(degree: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The schedule's idle fraction per rank in theory, (p-1)/(v·m + p-1): filling and draining
+    the pipeline takes p-1 stage-times of the v·m each rank computes (Megatron-LM's
+    interleaving divides a stage-time by v). Even stages and free communication assumed."""
+    idle = degree - 1
+    return idle / (stages_per_rank * microbatches + idle)
+
+
+def _tied_pair(
+    model: GPT, dist: Distributed, first: bool, last: bool
+) -> tuple[nn.Parameter | None, torch_dist.ProcessGroup | None]:
+    """This rank's copy of the tied embedding/head weight (the first stage's embedding, the
+    last stage's head; None in between) and the group of those two ranks, where their
+    gradients are summed. A collective: every rank makes the group."""
+    assert dist.mesh is not None
+    if first and last:  # a pipeline of one rank: the weight is still tied
+        return None, None
+    pp_ranks = dist.mesh["pp"].mesh.flatten().tolist()
+    pair = torch_dist.new_group([pp_ranks[0], pp_ranks[-1]])
+    t: Any = model.transformer
+    if first:
+        return t.wte.weight, pair
+    if last:
+        return model.lm_head.weight, pair  # type: ignore[return-value]  # a Parameter
+    return None, None
