@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
-from torch.distributed.tensor import DTensor
 
 import data
 import opt
@@ -91,12 +90,12 @@ def train_step(
     """One optimizer step on this rank's batch: forward and backward per micro-batch (gradients
     add up; across ranks they are reduced after the last one, or after each under FSDP, see
     opt/accum.py), unscale, clip, then the step unless the loss or the gradients are not finite
-    (recipe/guard.py); under +opt=opt_in_backward each parameter stepped in backward instead;
-    under +opt=pp the pipeline's schedule runs the micro-batches (opt/pp.py).
+    (recipe/guard.py; under +opt=opt_in_backward each parameter stepped in backward already,
+    and the step finds nothing left to do: opt/opt_in_backward.py); under +opt=pp the
+    pipeline's schedule runs the micro-batches (opt/pp.py).
     Returns the sum of the micro-batch losses and the gradient norm, both left on the device
     (no sync)."""
-    pipeline = isinstance(train_model, opt.Pipeline)
-    if pipeline:  # the step's loss, the same on every stage
+    if isinstance(train_model, opt.Pipeline):  # the step's loss, the same on every stage
         losses = train_model.forward_backward(inputs, targets)
     else:
         losses = torch.zeros((), device=inputs.device)
@@ -111,16 +110,8 @@ def train_step(
                     _, loss = train_model(x, y)
                 scaler.scale(loss / plan.micro_steps).backward()
             losses += loss.detach()
-    if plan.step_in_backward:  # every parameter has stepped already, its gradient freed
-        return losses, guard.steps_in_backward_done(losses)
     scaler.unscale_(optimizer)  # clip the true gradients
-    if pipeline:  # the norm over every stage
-        grad_norm = train_model.clip_grad_norm_(grad_clip)
-    else:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    if isinstance(grad_norm, DTensor):  # FSDP: the global norm, replicated on every rank
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = opt.clip_grad_norm_(train_model, optimizer, grad_clip)  # over every rank, stage
     guard.step(optimizer, scaler, losses, grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return losses, grad_norm
@@ -172,13 +163,14 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     # Under +opt=pp each rank keeps only its stages of `model`: evaluation runs the pipeline.
     evaluated = train_model if isinstance(train_model, opt.Pipeline) else model
 
-    # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard; then
-    # the stages that change when the optimizer steps (opt_in_backward: during backward)
+    # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard, the
+    # resumed state; then the stages that change when the optimizer steps (opt_in_backward:
+    # during backward, after the restore, which may step the optimizer once to shape its state)
     optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs, plan.optimizer_class)
     scaler = plan.grad_scaler(dist.device)
     guard = NonFiniteGuard(dist.device, dist, cfg.train.max_bad_steps)
-    opt.apply_optimizer_stages(optimizer, plan, guard)
     run.restore(model, optimizer, scaler, rank=dist.rank)  # on resume: weights, optimizer, RNG
+    opt.apply_optimizer_stages(optimizer, plan, guard)
 
     # ---- the run folder (config, metrics so far, logger); what this run's checkpoints save
     resolved = config.resolved(cfg, model.config)

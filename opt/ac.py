@@ -17,6 +17,8 @@ The region's `forward` is replaced in place, so parameter names (and checkpoints
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from omegaconf import DictConfig
@@ -26,11 +28,13 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from opt.stage import Stage
 from recipe.distributed import log
 from recipe.errors import ConfigError
+from recipe.knobs import count
 
-MODES = ("full", "selective", "op")
-TARGETS = ("block", "attn", "mlp")
+Mode = Literal["full", "selective", "op"]
+Target = Literal["block", "attn", "mlp"]
 
 aten = torch.ops.aten
 # mode=op keeps the outputs of these ops for backward and recomputes every other op of the block.
@@ -55,17 +59,10 @@ def save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> Ch
 
 def check_ac(cfg: DictConfig) -> None:
     """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
-    if cfg.mode not in MODES:
-        raise ConfigError(f"opt.ac.mode={cfg.mode!r}: choose one of {', '.join(MODES)}")
     if cfg.mode == "op" and cfg.use_reentrant:
         raise ConfigError(
             "opt.ac.mode=op needs opt.ac.use_reentrant=false: the reentrant checkpoint takes "
             "no op-level policy"
-        )
-    if cfg.mode == "selective" and (cfg.target not in TARGETS or cfg.every < 1):
-        raise ConfigError(
-            f"opt.ac: target={cfg.target!r} must be one of {', '.join(TARGETS)} and "
-            f"every={cfg.every} >= 1"
         )
 
 
@@ -88,3 +85,17 @@ def apply_ac(model: torch.nn.Module, cfg: DictConfig) -> list[str]:
     blocks = len(model.transformer.h)  # type: ignore[arg-type]  # a ModuleList
     log(f"[opt] ac: {cfg.mode}, {len(wrapped)} of {blocks} blocks ({target})")
     return wrapped
+
+
+@dataclass
+class Knobs:
+    mode: Mode
+    every: Annotated[int, count(1)]  # selective: checkpoint every `every`-th block
+    target: Target
+    use_reentrant: bool
+
+
+STAGE = Stage(
+    "ac", "model", lambda ctx: apply_ac(ctx.model, ctx.knobs), Knobs,
+    check=lambda ctx: check_ac(ctx.knobs),
+)  # fmt: skip

@@ -10,13 +10,17 @@ so by default FSDP reduce-scatters after every micro-step (`defer_fsdp_reduce` t
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
+from opt.stage import Context, Stage
 from recipe.distributed import log
 from recipe.errors import ConfigError
+from recipe.knobs import count
 
 
 def apply_accum(batch_size: int, cfg: DictConfig, fsdp: bool) -> tuple[int, bool]:
@@ -43,3 +47,17 @@ def gradient_sync(model: torch.nn.Module, enabled: bool) -> contextlib.AbstractC
     if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
         model.set_requires_gradient_sync(enabled)
     return contextlib.nullcontext()
+
+
+@dataclass
+class Knobs:
+    steps: Annotated[int, count(1)]  # micro-batches per optimizer step
+    defer_fsdp_reduce: bool
+
+
+def _apply(ctx: Context) -> None:
+    p = ctx.plan
+    p.micro_steps, p.defer_reduce = apply_accum(p.batch_size, ctx.knobs, "fsdp" in p.stages)
+
+
+STAGE = Stage("accum", "batch", _apply, Knobs)

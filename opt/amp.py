@@ -9,9 +9,13 @@ CPU float16 is emulated (~20x slower than float32), and bfloat16 needs no scaler
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from omegaconf import DictConfig
 
+from opt.stage import Context, Stage
 from recipe.distributed import log
 from recipe.errors import ConfigError
 from recipe.precision import AUTOCAST_DTYPES as DTYPES  # the dtypes opt.amp.dtype chooses from
@@ -20,28 +24,28 @@ from recipe.precision import warn_if_float16_on_cpu
 AUTO = "auto"  # opt.amp.dtype: bfloat16 where the device supports it, else float16
 
 
-RESIDUALS = ("float32", "compute")
+@dataclass(frozen=True)
+class Precision:
+    """What +opt=amp decides.
+
+    `residual_dtype`: the residual stream's (None: float32, as the weights; `residual=compute`:
+    the compute dtype, which halves the bytes that LayerNorms, residual adds and their gradients
+    move, at the cost of rounding the running sum of the blocks' outputs)."""
+
+    dtype: torch.dtype  # the compute dtype
+    scale_loss: bool  # float16: a GradScaler
+    residual_dtype: torch.dtype | None
+    weight_cache: bool  # autocast caches its weight casts
 
 
-def apply_amp(
-    cfg: DictConfig, device: torch.device
-) -> tuple[torch.dtype, bool, torch.dtype | None, bool]:
-    """Returns the compute dtype, whether the loss must be scaled, the residual stream's dtype
-    (None: float32, as the weights; `residual=compute`: the compute dtype, which halves the
-    bytes that LayerNorms, residual adds and their gradients move, at the cost of rounding the
-    running sum of the blocks' outputs), and whether autocast caches its weight casts.
+def apply_amp(cfg: DictConfig, device: torch.device) -> Precision:
+    """The precision `cfg` (opt.amp) asks for on `device`.
 
     The cache keeps each weight's low-precision copy until the autocast region ends, so a weight
     used twice is cast once. Every weight here is used once per forward, and without activation
     checkpointing the matmuls save those copies for backward anyway; with checkpointing they
     save nothing, and the cache alone keeps a copy of every weight (2 bytes per parameter in
     bfloat16) alive to the end of the forward: `weight_cache=false` frees each after its use."""
-    if cfg.residual not in RESIDUALS:
-        raise ConfigError(
-            f"opt.amp.residual={cfg.residual!r}: choose one of {', '.join(RESIDUALS)}"
-        )
-    if not isinstance(cfg.weight_cache, bool):
-        raise ConfigError(f"opt.amp.weight_cache={cfg.weight_cache!r}: choose true or false")
     name = resolve_dtype(cfg.dtype, device)
     dtype = DTYPES[name]
     if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -60,7 +64,7 @@ def apply_amp(
         f"{f', residual stream in {name}' if residual else ''}"
         f"{'' if cfg.weight_cache else ', no weight cache'}"
     )
-    return dtype, scaled, residual, cfg.weight_cache
+    return Precision(dtype, scaled, residual, cfg.weight_cache)
 
 
 def resolve_dtype(choice: str, device: torch.device) -> str:
@@ -74,3 +78,20 @@ def resolve_dtype(choice: str, device: torch.device) -> str:
     if choice not in DTYPES:
         raise ConfigError(f"opt.amp.dtype={choice!r}: choose auto, float16 or bfloat16")
     return choice
+
+
+@dataclass
+class Knobs:
+    dtype: Literal["auto", "float16", "bfloat16"]
+    residual: Literal["float32", "compute"]
+    weight_cache: bool
+
+
+def _apply(ctx: Context) -> None:
+    precision = apply_amp(ctx.knobs, ctx.dist.device)
+    p = ctx.plan
+    p.amp_dtype, p.scale_loss = precision.dtype, precision.scale_loss
+    p.residual_dtype, p.amp_weight_cache = precision.residual_dtype, precision.weight_cache
+
+
+STAGE = Stage("amp", "numerics", _apply, Knobs)

@@ -4,10 +4,15 @@ over more tokens."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Annotated
+
 from omegaconf import DictConfig
 
+from opt.stage import Context, Stage
 from recipe.distributed import log
 from recipe.errors import ConfigError
+from recipe.knobs import count
 
 
 def apply_bs(cfg: DictConfig) -> int:
@@ -16,3 +21,15 @@ def apply_bs(cfg: DictConfig) -> int:
         raise ConfigError(f"opt.bs.batch_size must be >= 1, got {cfg.batch_size}")
     log(f"[opt] bs: {cfg.batch_size} sequences per step per rank")
     return cfg.batch_size
+
+
+@dataclass
+class Knobs:
+    batch_size: Annotated[int, count(1)]  # sequences per optimizer step per rank
+
+
+def _apply(ctx: Context) -> None:
+    ctx.plan.batch_size = apply_bs(ctx.knobs)
+
+
+STAGE = Stage("bs", "batch", _apply, Knobs)

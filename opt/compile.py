@@ -21,26 +21,24 @@ its graphs there and skips the compilation (summary.json: `compile_s`, `compile_
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch._dynamo
 from omegaconf import DictConfig
 
+from opt.stage import Context, Stage
 from recipe.distributed import log
 from recipe.errors import ConfigError
 
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-SCOPES = ("model", "block")
+Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+Scope = Literal["model", "block"]
 
 
 def check_compile(cfg: DictConfig) -> None:
     """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
-    if cfg.mode not in MODES:
-        raise ConfigError(f"opt.compile.mode={cfg.mode!r}: choose one of {', '.join(MODES)}")
-    if cfg.scope not in SCOPES:
-        raise ConfigError(f"opt.compile.scope={cfg.scope!r}: choose one of {', '.join(SCOPES)}")
     backends = torch._dynamo.list_backends(exclude_tags=())
     if cfg.backend not in backends:
         raise ConfigError(
@@ -85,3 +83,22 @@ def _compile_method(owner: object, name: str, **options: Any) -> None:
     checkpointing replaced is traced through `checkpoint` (compiling the module itself would
     start tracing inside torch's checkpoint code, capture nothing and run eagerly)."""
     setattr(owner, name, torch.compile(getattr(owner, name), **options))
+
+
+@dataclass
+class Knobs:
+    mode: Mode
+    fullgraph: bool
+    scope: Scope
+    backend: str  # one of torch._dynamo.list_backends(): checked by check_compile
+    coordinate_descent: bool
+    cache_dir: str | None
+
+
+def _apply(ctx: Context) -> None:
+    # Under FSDP (and offload's FSDP) and pp, in pieces: each block, embed and head.
+    pieces = ctx.plan.sharded(ctx.dist.device) or "pp" in ctx.plan.stages
+    apply_compile(ctx.model, ctx.knobs, sharded=pieces)
+
+
+STAGE = Stage("compile", "model", _apply, Knobs, check=lambda ctx: check_compile(ctx.knobs))

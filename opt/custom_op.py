@@ -18,31 +18,24 @@ our operator's.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from omegaconf import DictConfig
 
 from kernels import linear_cross_entropy
 from kernels.library_heads import LIBRARIES, LOSSES, missing
 from model import GPT
+from opt.stage import Stage
 from recipe.distributed import log
 from recipe.errors import ConfigError
-
-WARPS = (1, 2, 4, 8, 16, 32)
-BACKENDS = ("ours", *LIBRARIES)
+from recipe.knobs import count
 
 
 def check_custom_op(cfg: DictConfig) -> None:
     """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
-    if cfg.chunk_size < 0:
-        raise ConfigError(
-            f"opt.custom_op.chunk_size={cfg.chunk_size}: tokens per chunk, >= 1 (0: all at once)"
-        )
     if cfg.block < 16 or cfg.block & (cfg.block - 1):
         raise ConfigError(f"opt.custom_op.block={cfg.block}: a power of two >= 16")
-    if cfg.num_warps not in WARPS:
-        raise ConfigError(f"opt.custom_op.num_warps={cfg.num_warps}: one of {WARPS}")
-    if cfg.backend not in BACKENDS:
-        raise ConfigError(f"opt.custom_op.backend={cfg.backend}: one of {', '.join(BACKENDS)}")
     if cfg.backend != "ours":
         if cfg.float8:
             raise ConfigError(
@@ -77,3 +70,18 @@ def apply_custom_op(model: GPT, cfg: DictConfig) -> None:
         f"kernel block={cfg.block}, num_warps={cfg.num_warps}"
         + (", float8 matmuls" if cfg.float8 else "")
     )
+
+
+@dataclass
+class Knobs:
+    backend: Literal["ours", "liger", "cce"]
+    chunk_size: Annotated[int, count(0)]  # tokens per chunk (0: all at once)
+    block: Annotated[int, count(16)]  # a power of two
+    num_warps: Literal[1, 2, 4, 8, 16, 32]
+    float8: bool
+
+
+STAGE = Stage(
+    "custom_op", "model", lambda ctx: apply_custom_op(ctx.model, ctx.knobs), Knobs,
+    check=lambda ctx: check_custom_op(ctx.knobs),
+)  # fmt: skip

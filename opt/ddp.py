@@ -9,8 +9,10 @@ source of its settings, not PyTorch's defaults); +opt=ddp lets the command line 
 from __future__ import annotations
 
 import inspect
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch._dynamo
@@ -18,8 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from opt.stage import Context, Stage
 from recipe.distributed import Distributed, log
 from recipe.errors import ConfigError
+from recipe.knobs import positive
 
 KNOBS = Path(__file__).resolve().parents[1] / "conf" / "opt" / "ddp.yaml"
 # Gradient compression for the all-reduce: the bucket is cast down, reduced, cast back.
@@ -28,9 +32,6 @@ COMM_HOOKS = {
     "bf16": default_hooks.bf16_compress_hook,
     "fp16": default_hooks.fp16_compress_hook,
 }
-# How a compiled model and DDP cooperate (torch._dynamo.config.optimize_ddp). Its third mode,
-# python_reducer, needs compiled autograd around the backward call: not offered here.
-OPTIMIZE_DDP = ("ddp_optimizer", "no_optimization")
 _DDP_ARGS = inspect.signature(DistributedDataParallel).parameters
 
 
@@ -78,14 +79,6 @@ def _replicate_dtensors(model: torch.nn.Module, dist: Distributed) -> torch.nn.M
 def check_ddp(cfg: DictConfig) -> None:
     """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
     _batched_grad_copy(cfg.batched_grad_copy)
-    if cfg.comm_hook not in COMM_HOOKS:
-        raise ConfigError(
-            f"opt.ddp.comm_hook={cfg.comm_hook!r}: choose one of {', '.join(COMM_HOOKS)}"
-        )
-    if cfg.optimize_ddp not in OPTIMIZE_DDP:
-        raise ConfigError(
-            f"opt.ddp.optimize_ddp={cfg.optimize_ddp!r}: choose one of {', '.join(OPTIMIZE_DDP)}"
-        )
 
 
 def _buffer_sync(broadcast: bool) -> dict[str, Any]:
@@ -106,3 +99,44 @@ def _batched_grad_copy(enabled: bool) -> dict[str, Any]:
             "set it to false or upgrade torch"
         )
     return {"batched_grad_copy": True}
+
+
+@dataclass
+class Knobs:
+    bucket_cap_mb: Annotated[float, positive()]
+    gradient_as_bucket_view: bool
+    batched_grad_copy: bool
+    static_graph: bool
+    broadcast_buffers: bool
+    comm_hook: Literal["none", "bf16", "fp16"]
+    # How a compiled model and DDP cooperate (torch._dynamo.config.optimize_ddp). Its third
+    # mode, python_reducer, needs compiled autograd around the backward call: not offered here.
+    optimize_ddp: Literal["ddp_optimizer", "no_optimization"]
+
+
+# The stages that spread the model themselves: no DDP wrapper then.
+SPREAD_OTHERWISE = ("fsdp", "offload", "pp")
+
+
+def _apply(ctx: Context) -> torch.nn.Module | None:
+    """Any run with several data-parallel replicas uses DDP, with +opt=ddp's knobs or
+    conf/opt/ddp.yaml's (a tp group alone needs none; FSDP, offload, pp spread it otherwise)."""
+    if ctx.dist.dp_size < 2 or any(s in ctx.plan.stages for s in SPREAD_OTHERWISE):
+        return None
+    return apply_ddp(ctx.module, ctx.knobs, ctx.dist)
+
+
+def _check(ctx: Context) -> None:
+    check_ddp(ctx.knobs)
+    if not ctx.dist.enabled:
+        warnings.warn(
+            "+opt=ddp has no effect in a single process: launch with torchrun to use it",
+            stacklevel=2,
+        )
+
+
+STAGE = Stage(
+    "ddp", "model", _apply, Knobs, check=_check,
+    conflicts={"fsdp": "two ways to spread training"},
+    unselected=_apply,  # several processes: DDP with conf/opt/ddp.yaml's knobs
+)  # fmt: skip

@@ -17,31 +17,22 @@ Gradients are reduced in float32 either way.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from omegaconf import DictConfig
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from opt.stage import Context, Stage
 from recipe.distributed import Distributed, log
-from recipe.errors import ConfigError
 
-MIXED_PRECISION = ("autocast", "pure")
-
-
-def check_fsdp(cfg: DictConfig) -> None:
-    """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
-    if cfg.mixed_precision not in MIXED_PRECISION:
-        raise ConfigError(
-            f"opt.fsdp.mixed_precision={cfg.mixed_precision!r}: choose one of "
-            f"{', '.join(MIXED_PRECISION)}"
-        )
+MixedPrecision = Literal["autocast", "pure"]
 
 
 def pure_low_precision(cfg: DictConfig) -> bool:
     """Whether FSDP casts the parameters itself (`mixed_precision=pure`), so that autocast is
     off; with `autocast`, +opt=amp's autocast runs as without FSDP."""
-    check_fsdp(cfg)
     return cfg.mixed_precision == "pure"
 
 
@@ -68,3 +59,21 @@ def apply_fsdp(
         f", cpu_offload={cfg.cpu_offload}, compute in {precision}"
     )
     return model
+
+
+@dataclass
+class Knobs:
+    reshard_after_forward: bool
+    cpu_offload: bool
+    mixed_precision: MixedPrecision
+
+
+def _plan(ctx: Context) -> None:
+    ctx.plan.pure_low_precision = ctx.plan.amp_dtype is not None and pure_low_precision(ctx.knobs)
+
+
+STAGE = Stage(
+    "fsdp", "model", lambda ctx: apply_fsdp(ctx.model, ctx.knobs, ctx.dist, ctx.plan.amp_dtype),
+    Knobs, plan=_plan,
+    processes=("several", "launch with `torchrun --nproc_per_node=N train.py ...` (N >= 2)"),
+)  # fmt: skip

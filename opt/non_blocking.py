@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 
 from data import LoaderOptions
+from opt.stage import Context, Stage
 from recipe.distributed import log
 
 
@@ -16,3 +17,10 @@ def apply_non_blocking(options: LoaderOptions, device: torch.device) -> LoaderOp
     pin = device.type == "cuda"  # page-locking helps only transfers to an accelerator
     log(f"[opt] non_blocking: pinned batches {'on' if pin else 'off (CPU run)'}, async copies")
     return replace(options, pin_memory=pin, non_blocking=True)
+
+
+def _apply(ctx: Context) -> None:
+    ctx.plan.loader = apply_non_blocking(ctx.plan.loader, ctx.dist.device)
+
+
+STAGE = Stage("non_blocking", "input", _apply)

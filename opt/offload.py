@@ -28,11 +28,14 @@ nothing to offload: the stage says so and leaves the model alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as torch_dist
 from omegaconf import DictConfig, OmegaConf
 
 from opt.fsdp import apply_fsdp
+from opt.stage import Stage
 from recipe.distributed import Distributed, init_process_group, log
 
 
@@ -77,3 +80,20 @@ def offload_to_host(
         f"{dist.device.type} as they run (reshard_after_forward={cfg.reshard_after_forward})"
     )
     return model
+
+
+@dataclass
+class Knobs:
+    reshard_after_forward: bool
+
+
+STAGE = Stage(
+    "offload", "model",
+    lambda ctx: apply_offload(ctx.model, ctx.knobs, ctx.dist, ctx.plan.amp_dtype), Knobs,
+    conflicts={
+        "fsdp": "offload is FSDP's CPU offload for one process (for several: +opt=fsdp with "
+        "opt.fsdp.cpu_offload=true)",
+        "ddp": "offload runs in one process, ddp over several",
+    },
+    processes=("one", "for several processes use +opt=fsdp with opt.fsdp.cpu_offload=true"),
+)  # fmt: skip

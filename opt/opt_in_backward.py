@@ -30,24 +30,38 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
+from opt.lowbit import skips_at_zero_lr, step_at_zero_lr_unless
+from opt.stage import Context, Stage
 from recipe.distributed import log
-from recipe.guard import NonFiniteGuard
+from recipe.errors import ConfigError
+from recipe.guard import NonFiniteGuard, step_unless
 
 
 def apply_opt_in_backward(optimizer: torch.optim.Optimizer, guard: NonFiniteGuard) -> int:
-    """Hooks every parameter of `optimizer` so that backward steps it and frees its gradient;
-    returns the number of hooked parameters."""
+    """Hooks every parameter of `optimizer` so that backward steps it and frees its gradient,
+    and makes `optimizer.step()` do nothing (the trainer's step finds the work done, as with
+    torchtitan's in-backward optimizer container); returns the number of hooked parameters."""
+    measured = _GradNorm(optimizer)
+    step = optimizer.step  # the real update, for the hooks (restricted to one parameter)
     hooked = 0
     for index, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
             param.register_post_accumulate_grad_hook(
-                functools.partial(_step_now, optimizer, index, guard)
+                functools.partial(_step_now, optimizer, step, index, measured)
             )
             hooked += 1
+    # The trainer's step (recipe/guard.py) hands this optimizer the step's verdict as fused AdamW
+    # gets it, without a sync: there is nothing left to skip.
+    optimizer.step = _stepped_in_backward  # type: ignore[method-assign,assignment]
+    optimizer.reads_found_inf = True  # type: ignore[attr-defined]
+    _MEASURED[optimizer] = measured
+    guard.partial_steps = True  # its error message: a bad step may be partly applied
     log(
         f"[opt] opt_in_backward: {hooked} parameters stepped by {type(optimizer).__name__} in "
         "backward, each gradient freed at once"
@@ -55,12 +69,54 @@ def apply_opt_in_backward(optimizer: torch.optim.Optimizer, guard: NonFiniteGuar
     return hooked
 
 
+def _stepped_in_backward(*args: Any, **kwargs: Any) -> None:
+    """The optimizer's `step()` under +opt=opt_in_backward: every parameter stepped already."""
+
+
+class _GradNorm:
+    """The step's gradient norm, gathered parameter by parameter while backward runs."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        device = optimizer.param_groups[0]["params"][0].device
+        self.sq_sum = torch.zeros((), device=device)
+
+    def take(self) -> torch.Tensor:
+        """The norm of every gradient of the last backward (not finite if one was not)."""
+        norm = self.sq_sum.sqrt()
+        self.sq_sum = torch.zeros_like(self.sq_sum)
+        return norm
+
+
+_MEASURED: weakref.WeakKeyDictionary[torch.optim.Optimizer, _GradNorm] = weakref.WeakKeyDictionary()
+
+
+def grad_norm_measured(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The gradient norm of the step that `optimizer` took in backward; None for an optimizer
+    that steps after backward (its gradients are all there to measure)."""
+    measured = _MEASURED.get(optimizer)
+    return measured.take() if measured else None
+
+
 def _step_now(
-    optimizer: torch.optim.Optimizer, group_index: int, guard: NonFiniteGuard, param: torch.Tensor
+    optimizer: torch.optim.Optimizer,
+    step: Callable[[], Any],
+    group_index: int,
+    measured: _GradNorm,
+    param: torch.Tensor,
 ) -> None:
-    """The post-accumulate-grad hook: this parameter's update, then its gradient is dropped."""
+    """The post-accumulate-grad hook: this parameter's update unless its gradient is not finite
+    (on the device with fused AdamW and with torchao's low-bit AdamW; one host sync per
+    parameter with for-loop/foreach AdamW), then its gradient is dropped."""
+    grad = param.grad
+    assert grad is not None  # the hook runs once it is accumulated
+    norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+    bad = ~torch.isfinite(norm)
+    measured.sq_sum += norm.square()
     with _only(optimizer, group_index, param):
-        guard.step_parameter(optimizer, param.grad)  # type: ignore[arg-type]  # set by now
+        if skips_at_zero_lr(optimizer):
+            step_at_zero_lr_unless(optimizer, grad, bad, step)
+        else:
+            step_unless(optimizer, bad, step)
     param.grad = None
 
 
@@ -77,3 +133,38 @@ def _only(
         yield
     finally:
         optimizer.param_groups = groups
+
+
+def _plan(ctx: Context) -> None:
+    """What the step in backward cannot do besides its conflicts: anything that needs every
+    gradient before the first update."""
+    grad_clip = ctx.cfg.train.grad_clip
+    if grad_clip != float("inf"):
+        raise ConfigError(
+            f"+opt=opt_in_backward with train.grad_clip={grad_clip}: clipping by the global "
+            "gradient norm needs every gradient before the first update, but each parameter "
+            "steps as soon as its own is ready: set train.grad_clip=inf (no clipping)"
+        )
+    if ctx.plan.scale_loss:
+        raise ConfigError(
+            "+opt=opt_in_backward and +opt=amp with opt.amp.dtype=float16: the GradScaler "
+            "unscales and checks every gradient before it steps or skips them all, but each "
+            "parameter steps as soon as its own is ready: use opt.amp.dtype=bfloat16 (no scaler)"
+        )
+    ctx.plan.step_in_backward = True
+
+
+WOULD_STEP_BEFORE_REDUCE = (
+    "each parameter would step before its gradient is reduced over the processes"
+)
+STAGE = Stage(
+    "opt_in_backward", "step", lambda ctx: apply_opt_in_backward(ctx.optimizer, ctx.guard),
+    plan=_plan,
+    conflicts={
+        "accum": "a step per micro-batch would not be the step of their summed gradients",
+        "ddp": WOULD_STEP_BEFORE_REDUCE, "fsdp": WOULD_STEP_BEFORE_REDUCE,
+        "offload": "offload steps AdamW on the CPU after backward, opt_in_backward on the GPU "
+        "during it",
+    },
+    processes=("one", "each parameter would step before DDP reduces its gradient"),
+)  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from opt.stage import Context, Stage
 from recipe.distributed import log
 from recipe.errors import ConfigError
 
@@ -27,3 +28,15 @@ def apply_optimizer_impl(name: str, device: torch.device) -> dict:
     kwargs = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
     log(f"[opt] {name}: AdamW({', '.join(f'{k}={v}' for k, v in kwargs[name].items())})")
     return kwargs[name]
+
+
+def _stage(name: str) -> Stage:
+    def apply(ctx: Context) -> None:
+        ctx.plan.optimizer_kwargs = apply_optimizer_impl(name, ctx.dist.device)
+
+    why = "both choose AdamW's implementation"
+    others = {other: why for other in IMPLEMENTATIONS if other != name}
+    return Stage(name, "optimizer", apply, conflicts=others)
+
+
+FORLOOP, FOREACH, FUSED = (_stage(name) for name in IMPLEMENTATIONS)

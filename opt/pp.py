@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as torch_dist
@@ -32,10 +33,13 @@ from torch.distributed.pipelining import (
 )
 
 from model import GPT, GPTConfig
+from opt import stage
 from recipe.distributed import Distributed, log, mesh_shape
 from recipe.errors import ConfigError
+from recipe.knobs import count
 
 IGNORED = -100  # F.cross_entropy's ignore_index: the targets of evaluation's padding rows
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -327,3 +331,40 @@ def _tied_pair(
     if last:
         return model.lm_head.weight, pair  # type: ignore[return-value]  # a Parameter
     return None, None
+
+
+@dataclass
+class Knobs:
+    degree: Annotated[int, count(2)]  # pipeline ranks
+    microbatches: Annotated[int, count(1)]
+    schedule: Schedule
+    stages_per_rank: Annotated[int, count(1)]
+    split: list | None  # block indices where stages start: checked by check_pp
+
+
+def _plan(ctx: stage.Context) -> None:
+    p = ctx.plan
+    check_pp(ctx.cfg, batch_size=p.batch_size, world_size=ctx.dist.world_size,
+             scale_loss=p.scale_loss)  # fmt: skip
+    p.pp_degree = ctx.knobs.degree
+
+
+def _apply(ctx: stage.Context) -> torch.nn.Module:
+    """Each rank keeps its stages of the model; the pipeline runs them."""
+    plan, device = ctx.plan, ctx.dist.device
+    return apply_pp(ctx.model, ctx.knobs, ctx.dist, lambda: plan.autocast(device), plan.batch_size)
+
+
+NOT_YET = "pipeline stages with data parallelism over several pipelines are not done yet"
+STAGE = stage.Stage(
+    "pp", "model", _apply, Knobs, plan=_plan,
+    conflicts={
+        "accum": "opt.pp.microbatches is the pipeline's own gradient accumulation",
+        "custom_op": "the fused head + loss has no ignored targets, which the pipeline's "
+        "evaluation pads a short batch with",
+        "ddp": NOT_YET, "fsdp": NOT_YET,
+        "offload": "offload runs in one process, pp over several",
+        "opt_in_backward": "the pipeline's tied weights and global clipping need every "
+        "gradient before the step",
+    },
+)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from opt.stage import Stage
 from recipe.distributed import log
 
 
@@ -15,3 +16,9 @@ def apply_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
     if enabled:
         log("[opt] tf32: float32 matmuls on TF32 tensor cores")
+
+
+STAGE = Stage(
+    "tf32", "numerics", lambda ctx: apply_tf32(True),
+    unselected=lambda ctx: apply_tf32(False),  # process-wide: reset what an earlier run set
+)  # fmt: skip

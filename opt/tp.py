@@ -21,7 +21,8 @@ so that FSDP and gradient clipping see one kind of parameter. The model returns 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
@@ -41,17 +42,10 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from model import GPT, GPTConfig
-from recipe.distributed import Distributed, log
+from opt.stage import Context, Stage
+from recipe.distributed import Distributed, log, mesh_shape
 from recipe.errors import ConfigError
-
-
-def check_tp(cfg: DictConfig) -> None:
-    """Refuses knobs that cannot work, before any work starts (opt.plan calls it)."""
-    if not isinstance(cfg.degree, int) or cfg.degree < 1:
-        raise ConfigError(f"opt.tp.degree={cfg.degree!r}: give a whole number of processes >= 1")
-    for knob in ("sequence_parallel", "loss_parallel"):
-        if not isinstance(cfg[knob], bool):
-            raise ConfigError(f"opt.tp.{knob}={cfg[knob]!r}: choose true or false")
+from recipe.knobs import count
 
 
 def check_tp_model(degree: int, config: GPTConfig) -> None:
@@ -136,7 +130,6 @@ def _plain_outputs(module: nn.Module, inputs: Any, outputs: tuple) -> tuple:
 def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
     """Splits `model`'s matmuls over the mesh's "tp" dimension, in place (parameter names and
     the global weights unchanged)."""
-    check_tp(cfg)
     check_tp_model(cfg.degree, model.config)
     assert dist.mesh is not None, "opt.plan's mesh (Distributed.with_mesh) comes first"
     mesh = dist.mesh["tp"]
@@ -189,3 +182,36 @@ def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
         f"{model.config.n_head // cfg.degree} per rank, sequence_parallel="
         f"{cfg.sequence_parallel}, loss_parallel={cfg.loss_parallel}"
     )
+
+
+@dataclass
+class Knobs:
+    degree: Annotated[int, count(1)]  # ranks per tensor-parallel group
+    sequence_parallel: bool
+    loss_parallel: bool
+
+
+def _plan(ctx: Context) -> None:
+    """The degree, checked against the process count and the model before any work (the
+    trainer builds the mesh from it: `dist.with_mesh(tp=plan.tp_degree)`)."""
+    degree = ctx.knobs.degree
+    mesh_shape(ctx.dist.world_size, 1, degree)  # refuses a process count degree does not divide
+    m = ctx.cfg.model  # a pretrained model's own shape is checked again by apply_tp
+    shape = GPTConfig(n_head=m.n_head, n_embd=m.n_embd, vocab_size=m.vocab_size,
+                      pad_vocab_to=m.pad_vocab_to)  # fmt: skip
+    check_tp_model(degree, shape)
+    ctx.plan.tp_degree, ctx.plan.vocab_parallel_loss = degree, ctx.knobs.loss_parallel
+
+
+STAGE = Stage(
+    "tp", "model", lambda ctx: apply_tp(ctx.model, ctx.knobs, ctx.dist), Knobs, plan=_plan,
+    conflicts={
+        "custom_op": "the fused head + cross-entropy has no vocabulary-parallel form",
+        "offload": "offload runs in one process, tp over several",
+        "opt_in_backward": "each parameter would step before its gradient is reduced over the "
+        "tensor-parallel ranks",
+        "pp": "pipeline x tensor-parallel meshes are not done yet",
+    },
+    processes=("several", "launch with `torchrun --nproc_per_node=N train.py ...` (N a "
+               "multiple of opt.tp.degree)"),
+)  # fmt: skip

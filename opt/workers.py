@@ -4,13 +4,16 @@ move out of the training process, which then only launches GPU work."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Annotated
 
 from omegaconf import DictConfig
 
 from data import LoaderOptions
+from opt.stage import Context, Stage
 from recipe.distributed import log
 from recipe.errors import ConfigError
+from recipe.knobs import count
 
 
 def available_cpus() -> int:
@@ -35,3 +38,16 @@ def apply_workers(options: LoaderOptions, cfg: DictConfig) -> LoaderOptions:
     )
     log(f"[opt] workers: {workers} persistent{capped}, prefetch {cfg.prefetch_factor} batches each")
     return replace(options, num_workers=workers, prefetch_factor=cfg.prefetch_factor)
+
+
+@dataclass
+class Knobs:
+    num_workers: Annotated[int, count(1)]
+    prefetch_factor: Annotated[int, count(1)]
+
+
+def _apply(ctx: Context) -> None:
+    ctx.plan.loader = apply_workers(ctx.plan.loader, ctx.knobs)
+
+
+STAGE = Stage("workers", "input", _apply, Knobs)

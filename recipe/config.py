@@ -15,9 +15,8 @@ rebuilt from what was saved plus what the command line changes.
 from __future__ import annotations
 
 import dataclasses
-import math
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,58 +26,14 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 import data
-from recipe import rundir
+from recipe import knobs, rundir
 from recipe.distributed import DEVICES, log
 from recipe.errors import ConfigError, MissingFile, unknown_key
 from recipe.files import write_text_atomically
+from recipe.knobs import Choices, Number, count, positive
 
 CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-@dataclasses.dataclass(frozen=True)
-class Number:
-    """An integer or real setting and its allowed range."""
-
-    integer: bool
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False  # low itself is not allowed
-    high_open: bool = False
-    nullable: bool = False
-
-    def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
-        bounds = []
-        if self.low is not None:
-            bounds.append(f"{'>' if self.low_open else '>='} {self.low:g}")
-        if self.high is not None:
-            bounds.append(f"{'<' if self.high_open else '<='} {self.high:g}")
-        text = f"{kind} {' and '.join(bounds)}".strip()
-        return text + (" (or null)" if self.nullable else "")
-
-    def accepts(self, value: Any) -> bool:
-        if value is None:
-            return self.nullable
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return False
-        if self.integer and not isinstance(value, int):
-            return False
-        if math.isnan(value):
-            return False
-        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
-            return False
-        return self.high is None or not (
-            value > self.high or (self.high_open and value == self.high)
-        )
-
-
-def count(low: int = 1, nullable: bool = False) -> Number:
-    return Number(integer=True, low=low, nullable=nullable)
-
-
-def positive(nullable: bool = False) -> Number:
-    return Number(integer=False, low=0, low_open=True, nullable=nullable)
 
 
 NUMBERS: dict[str, Number] = {
@@ -116,23 +71,21 @@ NUMBERS: dict[str, Number] = {
     "data.val_fraction": Number(integer=False, low=0, high=1, low_open=True, high_open=True),
     "data.num_proc": count(1, nullable=True),
 }
-CHOICES: dict[str, tuple] = {
-    "device": DEVICES,
-    "wandb.mode": ("auto", "online", "offline", "disabled"),
-    "train.resume": (True, False),
-    "train.keep_best": (True, False),
-    "train.async_save": (True, False),
-    "perf.checkpoint_time": (True, False),
-    "model.bias": (True, False),
+CHOICES: dict[str, Choices] = {
+    "device": Choices(DEVICES),
+    "wandb.mode": Choices(("auto", "online", "offline", "disabled")),
+    "train.resume": Choices((True, False)),
+    "train.keep_best": Choices((True, False)),
+    "train.async_save": Choices((True, False)),
+    "perf.checkpoint_time": Choices((True, False)),
+    "model.bias": Choices((True, False)),
 }
 
 
-def check_numbers(cfg: DictConfig, rules: dict[str, Number]) -> None:
+def check_numbers(cfg: DictConfig, rules: Mapping[str, knobs.Rule]) -> None:
     """Refuses the first setting outside its rule, naming the key, the rule and the value."""
     for key, rule in rules.items():
-        value = OmegaConf.select(cfg, key)
-        if not rule.accepts(value):
-            raise ConfigError(f"{key} must be {rule.describe()}, got {value!r}")
+        knobs.check_value(key, OmegaConf.select(cfg, key), rule)
 
 
 # Dicts whose keys are free: `+data.hub.name=sample-10BT` adds a keyword of `load_dataset`.
@@ -187,11 +140,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
             f"run, leave out +{drop[1:]})"
         )
     check_added_keys(cfg, overrides)
-    check_numbers(cfg, NUMBERS)
-    for key, options in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in options or type(value) is not type(options[0]):
-            raise ConfigError(f"{key} must be one of {', '.join(map(str, options))}, got {value!r}")
+    check_numbers(cfg, {**NUMBERS, **CHOICES})
     data.check_config(cfg.data)
     if cfg.model.vocab_size < data.VOCAB_SIZE and cfg.data.source != "synthetic":
         raise ConfigError(

@@ -8,15 +8,15 @@ steps whose gradients overflowed. The for-loop and foreach implementations canno
 the guard reads the flag on the host once a step (one sync; use +opt=fused to avoid it).
 Across ranks the flag is reduced, so every rank skips the same steps.
 
-Under +opt=opt_in_backward each parameter steps from its gradient hook, during backward
-(`step_parameter`): a parameter whose gradient is not finite skips its own update, and the step
-counts as bad if any did or if the loss is not finite (`steps_in_backward_done`). The parameters
-updated before a bad gradient turned up keep their updates: such a step can be partly applied.
-There a sync per parameter would stall backward, so torchao's low-bit AdamW (no device flag, but
-a tensor learning rate) skips on the device: a zero gradient at learning rate 0.
+An optimizer whose step cannot wait for the verdict (+opt=opt_in_backward's, whose parameters
+stepped in backward: opt/opt_in_backward.py) marks itself `reads_found_inf`, as fused AdamW does
+implicitly: the guard then hands it the flag and never syncs for it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -34,11 +34,7 @@ class NonFiniteGuard:
         self.dist, self.max_bad_steps = dist, max_bad_steps
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # since the start
         self.in_a_row = torch.zeros((), dtype=torch.int64, device=device)
-        # +opt=opt_in_backward: this step's sum of squared gradient norms and any bad gradient,
-        # gathered parameter by parameter while backward runs.
-        self.grad_sq_sum = torch.zeros((), device=device)
-        self.bad_grad = torch.zeros((), dtype=torch.bool, device=device)
-        self.stepped_in_backward = False  # set by the first step_parameter: for the error message
+        self.partial_steps = False  # +opt=opt_in_backward: a bad step may be partly applied
 
     def step(
         self,
@@ -66,31 +62,8 @@ class NonFiniteGuard:
             scaler.step(optimizer)
             scaler.update()
         else:
-            _step_unless(optimizer, bad)
+            step_unless(optimizer, bad)
         self._count(bad)
-
-    def step_parameter(self, optimizer: torch.optim.Optimizer, grad: torch.Tensor) -> None:
-        """+opt=opt_in_backward, from a gradient hook: `optimizer` (restricted to the one
-        parameter whose gradient `grad` is) steps unless `grad` is not finite. Its norm is kept
-        for the step's gradient norm; its verdict for the step's."""
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        bad = ~torch.isfinite(norm)
-        self.grad_sq_sum += norm.square()
-        self.bad_grad |= bad
-        self.stepped_in_backward = True
-        if _skips_at_zero_lr(optimizer):
-            _step_at_zero_lr_unless_finite(optimizer, grad, bad)
-        else:
-            _step_unless(optimizer, bad)
-
-    def steps_in_backward_done(self, loss: torch.Tensor) -> torch.Tensor:
-        """+opt=opt_in_backward, after backward: counts the step as bad if a parameter skipped
-        its update or `loss` is not finite; returns the gradient norm (on the device)."""
-        self._count(self.bad_grad | ~torch.isfinite(loss))
-        grad_norm = self.grad_sq_sum.sqrt()
-        self.grad_sq_sum.zero_()
-        self.bad_grad.zero_()
-        return grad_norm
 
     def _count(self, bad: torch.Tensor) -> None:
         self.skipped += bad
@@ -105,7 +78,7 @@ class NonFiniteGuard:
                 ("Parameters whose gradients stayed finite were updated all the same "
                  "(+opt=opt_in_backward steps each in backward).", "dropping +opt=opt_in_backward "
                  "to clip gradients (train.grad_clip)")
-                if self.stepped_in_backward
+                if self.partial_steps
                 else ("The weights are those of the last good step.", "a lower train.grad_clip")
             )  # fmt: skip
             raise NonFiniteSteps(
@@ -117,39 +90,22 @@ class NonFiniteGuard:
         return {"train/skipped_steps": skipped}
 
 
-def _skips_at_zero_lr(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a bad parameter must skip as zeros at learning rate 0: no `found_inf` flag (not
-    fused) but a tensor learning rate the update reads on the device (torchao's low-bit AdamW)."""
-    return not optimizer.defaults.get("fused") and torch.is_tensor(optimizer.param_groups[0]["lr"])
-
-
-def _step_at_zero_lr_unless_finite(
-    optimizer: torch.optim.Optimizer, grad: torch.Tensor, bad: torch.Tensor
+def step_unless(
+    optimizer: torch.optim.Optimizer, bad: torch.Tensor, step: Callable[[], Any] | None = None
 ) -> None:
-    """One parameter's step without reading `bad` on the host: a bad gradient becomes zeros and
-    the learning rate 0, so the weights stay exactly as they were; the moments decay one step
-    (as for a zero gradient) and the step count advances. A sync per parameter instead (as
-    `_step_unless` does) would stall every gradient hook of backward: measured on GPT-2 XL with
-    torchao's AdamW8bit, the GPU idled 65% of the step."""
-    group = optimizer.param_groups[0]
-    lr = group["lr"]
-    grad.masked_fill_(bad, 0.0)
-    group["lr"] = torch.where(bad, 0.0, lr)  # on the flag's device: the update reads it there
-    try:
-        optimizer.step()
-    finally:
-        group["lr"] = lr
-
-
-def _step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
-    """`optimizer.step()` unless the device flag `bad` is set."""
-    if optimizer.defaults.get("fused"):
+    """`optimizer.step()` unless the device flag `bad` is set; `step`: another update of this
+    optimizer's (+opt=opt_in_backward's hooks: the real one, restricted to one parameter)."""
+    # The optimizer's own step reads the flag (fused AdamW), or ignores it (`reads_found_inf`:
+    # the step in backward's, which has nothing left to do): no sync either way.
+    own_reads_flag = step is None and getattr(optimizer, "reads_found_inf", False)
+    step = step or optimizer.step
+    if optimizer.defaults.get("fused") or own_reads_flag:
         # Fused AdamW skips on this flag, on the device. Parameters offloaded to the host (FSDP's
         # CPU offload) need it in host memory first: fused AdamW would copy it asynchronously,
         # and a CPU kernel could read it before the copy lands; this copy waits.
         params_device = optimizer.param_groups[0]["params"][0].device
         optimizer.found_inf = bad.to(params_device).float()  # type: ignore[attr-defined]
-        optimizer.step()
+        step()
         del optimizer.found_inf  # type: ignore[attr-defined]
     elif not bad.item():  # the for-loop/foreach kernels have no such flag: one sync
-        optimizer.step()
+        step()

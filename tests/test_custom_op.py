@@ -270,7 +270,7 @@ def test_ddp_reduces_the_fused_gradients(tmp_path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         model = _toy(chunk_size=5)
-        ddp = opt.apply_ddp(model, make_cfg("+opt=ddp").opt.ddp, SINGLE)
+        ddp = opt.ddp.apply_ddp(model, make_cfg("+opt=ddp").opt.ddp, SINGLE)
         reduced = []
         ddp.register_comm_hook(None, lambda _, bucket: reduced.append(1) or _done(bucket))
         ddp(idx, targets)[1].backward()

@@ -458,7 +458,7 @@ def test_lowbit_refuses_another_implementation_and_bad_bits() -> None:
     for impl in ("forloop", "foreach", "fused"):
         with pytest.raises(ValueError, match=rf"\+opt=lowbit and \+opt={impl}: torchao"):
             opt.plan(tiny_cfg(f"+opt=[{impl},lowbit]"), SINGLE)
-    with pytest.raises(ValueError, match="opt.lowbit.bits=2: choose 8 or 4"):
+    with pytest.raises(ValueError, match="opt.lowbit.bits must be one of 8, 4, got 2"):
         opt.plan(tiny_cfg("+opt=lowbit", "opt.lowbit.bits=2"), SINGLE)
 
 

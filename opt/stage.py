@@ -1,0 +1,130 @@
+"""What a stage is. Each `opt/<module>.py` declares its stage(s) as a `Stage`: its name (the
+`conf/opt/<name>.yaml` that `+opt=<name>` selects), the phase it runs in, its knobs (a dataclass
+whose field types are the rules: recipe/knobs.py), the stages it cannot run with and why, how many
+processes it needs, an optional check of what its knobs cannot do with the rest of the config,
+and `apply`. opt/__init__.py's ORDER lists them in the order they run; `opt.plan` checks every
+selected stage's knobs and rules, then applies the planning phases; the model and step phases
+run once the model and the optimizer exist.
+
+    phase       apply(ctx) does                                  and returns
+    batch       sets ctx.plan's batch size and micro-steps        None
+    input       sets ctx.plan.loader                              None
+    numerics    sets ctx.plan's precision fields                  None
+    optimizer   sets ctx.plan's optimizer class and arguments     None
+    model       changes ctx.model in place, or wraps ctx.module   the module to train with, or None
+    step        changes how ctx.optimizer steps                   the optimizer to step, or None
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from omegaconf import DictConfig
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from data import LoaderOptions
+from recipe.distributed import Distributed
+
+if TYPE_CHECKING:
+    from model import GPT
+    from recipe.guard import NonFiniteGuard
+
+Phase = Literal["batch", "input", "numerics", "optimizer", "model", "step"]
+PHASES: tuple[Phase, ...] = ("batch", "input", "numerics", "optimizer", "model", "step")
+PLANNED: tuple[Phase, ...] = ("batch", "input", "numerics", "optimizer")  # by opt.plan
+
+
+@dataclass
+class Plan:
+    """What the selected stages decided, for the trainer to read."""
+
+    stages: list[str]  # the selected stages, in the order they are applied
+    batch_size: int  # sequences per optimizer step per rank
+    micro_steps: int = 1  # gradient-accumulation micro-steps per optimizer step
+    defer_reduce: bool = True  # reduce gradients over ranks after the last micro-step only
+    loader: LoaderOptions = field(default_factory=LoaderOptions)
+    amp_dtype: torch.dtype | None = None  # the amp stage's compute dtype; None: fp32
+    pure_low_precision: bool = False  # FSDP casts the parameters to amp_dtype: no autocast
+    scale_loss: bool = False  # float16: scale the loss so that small gradients survive
+    residual_dtype: torch.dtype | None = None  # the residual stream's dtype; None: float32
+    amp_weight_cache: bool = True  # autocast caches its weight casts (opt.amp.weight_cache)
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW  # lowbit: torchao's
+    optimizer_kwargs: dict = field(default_factory=dict)
+    tp_degree: int = 1  # +opt=tp: ranks per tensor-parallel group (Distributed.with_mesh)
+    vocab_parallel_loss: bool = False  # +opt=tp's loss_parallel: see loss_context
+    pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
+    step_in_backward: bool = False  # opt_in_backward: each parameter steps from its grad hook
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.micro_steps
+
+    def sharded(self, device: torch.device) -> bool:
+        """Whether FSDP's `fully_shard` wraps the model: +opt=fsdp, or +opt=offload on a GPU."""
+        from opt.offload import offloads  # the stage modules import this one
+
+        return "fsdp" in self.stages or ("offload" in self.stages and offloads(device))
+
+    def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        """The loss scaler: a no-op unless float16. Under FSDP each rank checks only its own
+        gradient shards for overflow, so the ranks must agree on skipping a step: the
+        ShardedGradScaler all-reduces that verdict (it also unscales offloaded gradients)."""
+        if self.scale_loss and self.sharded(device):
+            return ShardedGradScaler(device.type)
+        return torch.amp.GradScaler(device.type, enabled=self.scale_loss)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """What the loss's forward and backward run in: +opt=tp's `loss_parallel()` (the
+        cross-entropy on vocabulary shards), else nothing."""
+        from opt.tp import tp_loss_context
+
+        return tp_loss_context(self.vocab_parallel_loss)
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Autocast to the amp dtype; none under FSDP with mixed_precision=pure, whose
+        MixedPrecisionPolicy casts the parameters itself."""
+        from recipe.precision import autocast
+
+        dtype = None if self.pure_low_precision else self.amp_dtype
+        return autocast(dtype, device, self.amp_weight_cache)
+
+
+@dataclass
+class Context:
+    """What a stage's `check` and `apply` read: the config, the processes, the plan so far, the
+    stage's own knobs; from the model phase on the model (changed in place) and the module to
+    train with; in the step phase the optimizer and the non-finite guard."""
+
+    dist: Distributed
+    plan: Plan
+    # Each set where its phase has it (None before): typed as set, since a stage reads only its
+    # phase's. The whole config: in opt.plan's checks and `plan` hooks.
+    cfg: DictConfig = None  # type: ignore[assignment]
+    knobs: Any = None  # cfg.opt.<stage>: the fields of the stage's Knobs, checked
+    model: GPT = None  # type: ignore[assignment]  # model phase on
+    module: torch.nn.Module = None  # type: ignore[assignment]  # the module to train with so far
+    optimizer: torch.optim.Optimizer = None  # type: ignore[assignment]  # step phase
+    guard: NonFiniteGuard = None  # type: ignore[assignment]  # step phase
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    phase: Phase
+    apply: Callable[[Context], Any]
+    knobs: type | None = None  # a dataclass: its fields are conf/opt/<name>.yaml's keys
+    conflicts: Mapping[str, str] = field(default_factory=dict)  # other stage -> why not both
+    # "one": one process only; "several": needs torchrun; the reason, said with the refusal.
+    processes: tuple[Literal["any", "one", "several"], str] = ("any", "")
+    check: Callable[[Context], None] | None = None  # what the knobs cannot do with the config
+    # A model or step stage's decisions that the trainer needs before the model exists (the
+    # mesh's degrees, the precision FSDP casts to), and its checks that need the planned batch
+    # or precision; run by opt.plan after the planning phases, in ORDER.
+    plan: Callable[[Context], None] | None = None
+    # Run in its phase when the stage is not selected: a process-wide setting reset (tf32), the
+    # default DDP of a multi-process run.
+    unselected: Callable[[Context], Any] | None = None

@@ -1,0 +1,93 @@
+"""What a stage is (opt/stage.py): each module declares its stage; STAGES both orders and applies
+them; the knobs are typed and checked before any work (tests/test_errors.py runs a bad knob of
+every stage through train() with an empty data cache)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_cfg
+from omegaconf import OmegaConf
+
+import opt
+from model import GPT, GPTConfig
+from opt.stage import PHASES
+from recipe.distributed import Distributed
+from recipe.guard import NonFiniteGuard
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "opt"
+SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def test_every_yaml_file_is_one_stage_whose_knobs_are_its_keys() -> None:
+    assert sorted(p.stem for p in CONF.glob("*.yaml")) == sorted(opt.ORDER)
+    for stage in opt.STAGES:
+        keys = list(OmegaConf.load(CONF / f"{stage.name}.yaml")[stage.name])
+        fields = [f.name for f in dataclasses.fields(stage.knobs)] if stage.knobs else []
+        assert keys == fields, stage.name
+
+
+def test_stages_run_phase_by_phase_and_conflicts_name_real_stages() -> None:
+    phases = [PHASES.index(stage.phase) for stage in opt.STAGES]
+    assert phases == sorted(phases)
+    for stage in opt.STAGES:
+        assert set(stage.conflicts) <= set(opt.ORDER), stage.name
+
+
+@pytest.mark.parametrize(
+    "listed",
+    [
+        ["compile", "ac", "opt_in_backward", "amp", "tf32", "non_blocking", "workers", "bs",
+         "custom_op", "lowbit"],
+        ["accum", "fused", "bs", "compile", "ac"],
+    ],
+)  # fmt: skip
+def test_the_stages_are_applied_in_the_order_of_stages(monkeypatch, listed) -> None:
+    """Spies on every stage's apply (and unselected): they run in STAGES' order whatever the
+    order listed, each once, through the three calls the trainer makes."""
+    calls: list[str] = []
+
+    def spy(stage: opt.Stage) -> opt.Stage:
+        def record(ctx, name=stage.name) -> None:
+            calls.append(name)
+
+        unselected = record if stage.unselected else None
+        return dataclasses.replace(stage, apply=record, unselected=unselected, check=None)
+
+    monkeypatch.setattr(opt, "STAGES", tuple(spy(s) for s in opt.STAGES))
+    cfg = make_cfg(f"+opt=[{','.join(listed)}]", "train.grad_clip=inf")
+    plan = opt.plan(cfg, SINGLE)
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16))
+    assert opt.apply_model_stages(model, cfg.opt, plan, SINGLE) is model
+    optimizer = torch.optim.AdamW(model.parameters())
+    opt.apply_optimizer_stages(optimizer, plan, NonFiniteGuard(SINGLE.device, SINGLE, 3))
+    with_defaults = {s.name for s in opt.STAGES if s.unselected}  # tf32's reset, DDP's default
+    assert calls == [s for s in opt.ORDER if s in listed or s in with_defaults]
+
+
+def test_the_step_in_backward_owns_its_step() -> None:
+    """Under +opt=opt_in_backward the optimizer's own step does nothing (the hooks stepped),
+    the trainer's step is the same code as without it, and the gradient norm it logs is the
+    one measured in backward."""
+    cfg = make_cfg("+opt=opt_in_backward", "train.grad_clip=inf")
+    plan = opt.plan(cfg, SINGLE)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt.apply_optimizer_stages(optimizer, plan, NonFiniteGuard(SINGLE.device, SINGLE, 3))
+    x = torch.randint(0, 16, (2, 4))
+    grads = torch.autograd.grad(model(x, x)[1], list(model.parameters()))
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x, x)[1].backward()  # each parameter steps in its hook
+    after = [p.detach().clone() for p in model.parameters()]
+    assert all(p.grad is None for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    optimizer.step()  # the trainer's step: nothing left to do
+    assert all(torch.equal(a, p) for a, p in zip(after, model.parameters(), strict=True))
+    norm = opt.clip_grad_norm_(model, optimizer, float("inf"))
+    torch.testing.assert_close(norm, expected)
+    assert opt.clip_grad_norm_(model, optimizer, float("inf")) == 0  # taken: the next step's
