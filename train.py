@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -118,14 +119,12 @@ def train_step(
 
 
 def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> dict[str, Any]:
-    """Runs one training job; returns its summary (also written to `summary.json`).
-    `overrides` is the command line that built `cfg`: saved with the run, so that a resume needs
-    only `train.resume=true` (and whatever it changes)."""
+    """Runs one training job; returns its summary (also `summary.json`). `overrides`, the command
+    line that built `cfg`, is saved with the run: a resume needs only `train.resume=true`."""
     started = time.perf_counter()  # goodput's wall time counts from here
     # ---- setup: the config (on resume the saved run's, these overrides on top), checked first
     overrides = list(overrides)
-    if cfg.train.resume:
-        cfg, overrides = config.for_resume(run_dir, overrides)
+    cfg, overrides = config.for_resume(run_dir, overrides) if cfg.train.resume else (cfg, overrides)
     config.validate(cfg, overrides)
     dist = distributed.init(cfg.device)
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
@@ -134,17 +133,15 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     dist = dist.with_mesh(pp=plan.pp_degree, tp=plan.tp_degree)  # +opt=pp, +opt=tp: a mesh
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
     run = RunState.start(run_dir, cfg)  # step 0, or the checkpoint's: config and corpus checked
-    if cfg.train.resume and "pp" in plan.stages:
-        opt.pp.check_resume(run.stages)
+    opt.check_resume(plan, saved_stages=run.stages if cfg.train.resume else None)
     t, max_steps = cfg.train, cfg.train.max_steps
     if run.finished(max_steps):
         return finished_already(run_dir, run.step, dist)
     profiler = Profiler(cfg.prof, run_dir, dist.device, enabled=dist.is_main)  # memory: from here
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
 
-    # ---- data: prepared once per machine by its first process (atomic: a shared cache is
-    # safe too); the others wait on the CPU group, whose timeout outlasts a long preparation.
-    # Each rank then reads its slice of every global batch, from the run's data position on.
+    # ---- data: prepared once per machine by its first process (atomic); the others wait on
+    # the CPU group. Each rank reads its slice of every global batch, from the run's position.
     if dist.is_local_main:
         data.prepare(cfg.data)
     dist.host_barrier()
@@ -156,12 +153,10 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     with torch.device(dist.device):  # initialised in place: no host copy of the weights
         model = build_model(cfg.model)
     run.check_shape(model.config)
-    # The whole model's size and cost, counted before +opt=pp keeps this rank's stages only.
-    num_params = model.num_params(exclude_positions=False)
-    flops_per_token = model.flops_per_token(cfg.model.block_size)
-    train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
-    # Under +opt=pp each rank keeps only its stages of `model`: evaluation runs the pipeline.
-    evaluated = train_model if isinstance(train_model, opt.Pipeline) else model
+    whole = model.num_params(exclude_positions=False), model.flops_per_token(cfg.model.block_size)
+    train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)  # pp: this rank's stages
+    evaluated = train_model if isinstance(train_model, opt.Pipeline) else model  # pp: pipeline
+    validate = functools.partial(validation, evaluated, val_loader, hellaswag_items, plan, dist)
 
     # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard, the
     # resumed state; then the stages that change when the optimizer steps (opt_in_backward:
@@ -177,17 +172,17 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     logger = open_run_folder(run_dir, folder, cfg, resolved, overrides, plan, dist, run)
     run.begin(resolved, model.config, plan.stages, optimizer, logger.wandb_id,
               samples_per_step=plan.batch_size * dist.dp_size)  # fmt: skip
-    distributed.log(opening_line(cfg, run_dir, num_params, plan, dist, run.step))
+    distributed.log(opening_line(cfg, run_dir, whole[0], plan, dist, run.step))
 
     # ---- the loop. Nothing in it waits for the GPU except at log, eval and checkpoint steps.
     meter = LoopMeter(
-        dist.device, batches, perf_args(cfg, flops_per_token, plan, dist), started=started,
+        dist.device, batches, perf_args(cfg, whole[1], plan, dist), started=started,
         warmup_steps=cfg.perf.warmup_steps, compiled="compile" in plan.stages,
     )  # fmt: skip
     losses = LossWindow(dist.device)  # summed on the device: no .item() per step
     step = run.step
     if step == 0:
-        logger.log(validation(evaluated, val_loader, hellaswag_items, plan, dist), step)
+        validated(logger, step, validate)
     saver = checkpoint.Saver.for_run(run_dir, dist, t)  # train.checkpoint_interval, keep_*, ...
     with checkpoint.StopSignal() as stop:
         meter.start()
@@ -211,9 +206,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
             val_loss = None  # this step's, when evaluated: keep_best's measure of a checkpoint
             if step % t.eval_interval == 0 or step == max_steps:
                 with meter.paused():
-                    validated = validation(evaluated, val_loader, hellaswag_items, plan, dist)
-                    logger.log(validated, step)
-                val_loss = validated["val/loss"]
+                    val_loss = validated(logger, step, validate)
             stopping = dist.any_one_step_late(stop.requested)  # no barrier: agreed a step later
             if saver.due(step, stopping):
                 with meter.paused():
@@ -232,14 +225,23 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     summary: dict[str, Any] = {"step": step, "stages": plan.stages, "completed": step == max_steps,
                                "stopped_by": stop.signal,  # SIGTERM/SIGINT: a sweep then stops
                                **meter.summary(), **memory_gib(dist.device)}  # fmt: skip
-    # Every rank samples (FSDP needs them all); under +opt=pp no rank holds the whole model:
-    # sample.py samples the checkpoint (the closing line says how).
+    # Every rank samples (FSDP needs them all); not under pp: sample.py reads its checkpoint.
     if step == max_steps and cfg.sample.num_samples and evaluated is model:
         final_samples(model, cfg, plan, dist, run_dir, step)
     summary = logger.finish(summary, run_dir)
     distributed.log(closing_line(run_dir, step, max_steps))
     distributed.shutdown()
     return summary
+
+
+def validated(
+    logger: MetricLogger, step: int, validate: Callable[[], dict[str, float | None]]
+) -> float | None:
+    """Logs `validate()` (recipe/evaluation.py's validation: the val loss, HellaSwag) at `step`;
+    returns the val loss."""
+    metrics = validate()
+    logger.log(metrics, step)
+    return metrics["val/loss"]
 
 
 def tokens_per_step(cfg: DictConfig, plan: opt.Plan, dist: distributed.Distributed) -> int:

@@ -75,7 +75,7 @@ ORDER = tuple(stage.name for stage in STAGES)  # their names, in that order
 
 __all__ = [
     "ORDER", "STAGES", "Pipeline", "Plan", "apply_model_stages", "apply_optimizer_stages",
-    "clip_grad_norm_", "gradient_sync", "plan",
+    "check_resume", "clip_grad_norm_", "gradient_sync", "plan",
 ]  # fmt: skip
 
 
@@ -136,6 +136,14 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
             ctx.knobs = cfg.opt[stage.name]
             stage.plan(ctx)
     return p
+
+
+def check_resume(p: Plan, saved_stages: list[str] | None) -> None:
+    """Refuses a resume (of a checkpoint written with `saved_stages`; None: not a resume) that
+    a selected stage cannot make."""
+    for stage in STAGES:
+        if saved_stages is not None and stage.name in p.stages and stage.check_resume:
+            stage.check_resume(saved_stages)
 
 
 def apply_model_stages(model: GPT, opt: DictConfig, p: Plan, dist: Distributed) -> torch.nn.Module:

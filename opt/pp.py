@@ -357,7 +357,7 @@ def _apply(ctx: stage.Context) -> torch.nn.Module:
 
 NOT_YET = "pipeline stages with data parallelism over several pipelines are not done yet"
 STAGE = stage.Stage(
-    "pp", "model", _apply, Knobs, plan=_plan,
+    "pp", "model", _apply, Knobs, plan=_plan, check_resume=check_resume,
     conflicts={
         "accum": "opt.pp.microbatches is the pipeline's own gradient accumulation",
         "custom_op": "the fused head + loss has no ignored targets, which the pipeline's "

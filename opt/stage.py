@@ -128,3 +128,5 @@ class Stage:
     # Run in its phase when the stage is not selected: a process-wide setting reset (tf32), the
     # default DDP of a multi-process run.
     unselected: Callable[[Context], Any] | None = None
+    # Refuses, in one line, resuming a checkpoint written with these stages (its `stages`).
+    check_resume: Callable[[list[str]], None] | None = None

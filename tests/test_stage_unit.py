@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_cfg
 from omegaconf import OmegaConf
 
 import opt
+from conftest import make_cfg
 from model import GPT, GPTConfig
 from opt.stage import PHASES
 from recipe.distributed import Distributed
