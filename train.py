@@ -159,8 +159,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     validate = functools.partial(validation, evaluated, val_loader, hellaswag_items, plan, dist)
 
     # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard, the
-    # resumed state; then the stages that change when the optimizer steps (opt_in_backward:
-    # during backward, after the restore, which may step the optimizer once to shape its state)
+    # state a resume continues from; then the stages that change when the optimizer steps
+    # (opt_in_backward: in backward; after the restore, which may step it once to shape its state)
     optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs, plan.optimizer_class)
     scaler = plan.grad_scaler(dist.device)
     guard = NonFiniteGuard(dist.device, dist, cfg.train.max_bad_steps)

@@ -48,6 +48,11 @@ def _like_linear(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tens
     return hidden, weight
 
 
+# Run eagerly under torch.compile: Dynamo traces into liger's autograd Function and fails on its
+# float32 gradient accumulator under autocast (measured on an H100, torch 2.11: "unsupported
+# operand type(s) for *: 'torch.dtype' and 'FakeTensor'" in a fake-tensor addmm). The head is
+# then its own eager piece between compiled graphs, as liger's own kernels run anyway.
+@torch.compiler.disable
 def liger_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:

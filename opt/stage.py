@@ -72,8 +72,9 @@ class Plan:
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         """The loss scaler: a no-op unless float16. Under FSDP each rank checks only its own
         gradient shards for overflow, so the ranks must agree on skipping a step: the
-        ShardedGradScaler all-reduces that verdict (it also unscales offloaded gradients)."""
-        if self.scale_loss and self.sharded(device):
+        ShardedGradScaler all-reduces that verdict (it also unscales offloaded gradients).
+        So does +opt=tp, whose ranks hold shards of the gradients too."""
+        if self.scale_loss and (self.sharded(device) or "tp" in self.stages):
             return ShardedGradScaler(device.type)
         return torch.amp.GradScaler(device.type, enabled=self.scale_loss)
 

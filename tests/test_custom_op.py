@@ -210,14 +210,13 @@ def test_the_stage_calls_the_operator_and_never_builds_the_full_logits() -> None
 
 
 def test_bad_knobs_are_refused_naming_them() -> None:
-    model = _toy()
-    for knobs, message in [
-        ({"chunk_size": -1}, "opt.custom_op.chunk_size=-1"),
-        ({"block": 1000}, "opt.custom_op.block=1000: a power of two"),
-        ({"num_warps": 3}, "opt.custom_op.num_warps=3"),
+    for knob, message in [
+        ("chunk_size=-1", "opt.custom_op.chunk_size must be an integer >= 0, got -1"),
+        ("block=1000", "opt.custom_op.block=1000: a power of two"),
+        ("num_warps=3", "opt.custom_op.num_warps must be one of 1, 2, 4, 8, 16, 32, got 3"),
     ]:
         with pytest.raises(ValueError, match=message):
-            apply_custom_op(model, _knobs(**knobs))
+            opt.plan(make_cfg("+opt=custom_op", f"opt.custom_op.{knob}"), SINGLE)
     with pytest.raises(ValueError, match="hidden is torch.bfloat16 but weight is torch.float32"):
         linear_cross_entropy(
             torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(16, 8), torch.zeros(2).long(), 16

@@ -124,8 +124,8 @@ def test_the_plan_refuses_a_missing_library_before_any_work(monkeypatch) -> None
 
 
 def test_unknown_backend_and_float8_with_a_library_are_refused(fake_libraries) -> None:
-    with pytest.raises(ConfigError, match="backend=triton: one of ours, liger, cce"):
-        check_custom_op(_knobs(backend="triton"))
+    with pytest.raises(ConfigError, match="backend must be one of ours, liger, cce, got 'triton'"):
+        opt.plan(tiny_cfg("+opt=custom_op", "opt.custom_op.backend=triton"), SINGLE)
     with pytest.raises(ConfigError, match="float8=true is our kernel's"):
         check_custom_op(_knobs(backend="liger", float8=True))
     check_custom_op(_knobs(backend="liger"))  # installed (the fake): accepted

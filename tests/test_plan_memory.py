@@ -106,7 +106,7 @@ def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
     ("args", "expected"),
     [
         (["model=nope"], "Could not find 'model/nope'"),
-        (["+opt=[amp,ac]", "opt.ac.mode=bogus"], "opt.ac.mode='bogus'"),
+        (["+opt=[amp,ac]", "opt.ac.mode=bogus"], "opt.ac.mode must be one of"),
         (["train.batch_size=0"], "train.batch_size must be"),
         (["budget=lots"], "budget='lots'"),
         (["nproc=0"], "nproc=0"),

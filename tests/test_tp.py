@@ -156,9 +156,13 @@ def test_probe_layouts_and_compile(tmp_path) -> None:
         (["model.pad_vocab_to=1"], 2, r"^\+opt=tp: the padded vocabulary \(50257\) does not"),
         (["+opt=[tp,custom_op]"], 2, r"^\+opt=tp and \+opt=custom_op: the fused head"),
         ([], 3, r"^3 processes cannot form 1 pipeline stage\(s\) x 2 tensor shard\(s\)"),
-        ([], 1, r"^\+opt=tp splits the model over processes, but this is a single process"),
-        (["opt.tp.degree=0"], 2, r"^opt.tp.degree=0: give a whole number"),
-        (["opt.tp.loss_parallel=maybe"], 2, r"^opt.tp.loss_parallel='maybe': choose true"),
+        ([], 1, r"^\+opt=tp spreads the model over processes, but this is a single process"),
+        (["opt.tp.degree=0"], 2, r"^opt.tp.degree must be an integer >= 1, got 0"),
+        (
+            ["opt.tp.loss_parallel=maybe"],
+            2,
+            r"^opt.tp.loss_parallel must be one of True, False, got 'maybe'",
+        ),
     ],
     ids=["n_head", "vocab", "custom_op", "odd_world", "one_process", "degree", "knob"],
 )
