@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -151,6 +152,27 @@ def test_ranks_split_the_items_and_sum_to_one_process(tiny_gpt, monkeypatch) -> 
     finally:
         hook.remove()
     torch.testing.assert_close(torch.stack(per_rank).sum(0), alone, rtol=1e-12, atol=1e-9)
+
+
+def test_ranks_sums_are_reduced_and_a_tp_group_counted_once(monkeypatch) -> None:
+    """4 processes as 2 dp x 2 tp: the passages split in 2 (a tp group scores the same ones),
+    and the world's sum holds each group's sums twice."""
+    mine = {0: [3.0, -30.0], 1: [1.0, -10.0]}  # each dp rank's greedy count and log-likelihood
+    calls = []
+
+    def sums(model, items, *, rank, world_size, **_) -> torch.Tensor:
+        calls.append((rank, world_size))
+        return torch.tensor(mine[rank], dtype=torch.float64)
+
+    def all_reduce(t: torch.Tensor) -> None:  # the sum over the 4 ranks: each dp rank twice
+        t.copy_(2 * torch.tensor(mine[0]) + 2 * torch.tensor(mine[1]))
+
+    monkeypatch.setattr(lambada, "sums", sums)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    dist = SimpleNamespace(device=CPU, enabled=True, world_size=4, dp_rank=1, dp_size=2)
+    result = lambada.evaluate(None, [{}] * 8, block_size=8, dist=dist)  # type: ignore[arg-type]
+    assert calls == [(1, 2)]
+    assert result == {"acc": 4 / 8, "ppl": math.exp(40 / 8), "items": 8}
 
 
 def evaluate_cfg(*overrides: str):
