@@ -1,7 +1,9 @@
 """LAMBADA, zero-shot: the last word of each of the 5,153 passages of OpenAI's processed test
 split, as EleutherAI's lm-evaluation-harness scores its `lambada_openai` task
 (lm_eval/tasks/lambada/lambada_openai.yaml: dataset EleutherAI/lambada_openai, config default,
-split test, output_type loglikelihood; lm_eval/api/metrics.py's `perplexity` aggregation).
+split test, output_type loglikelihood; lm_eval/api/task.py, ConfigurableTask's construct_requests
+and process_results; lm_eval/models/huggingface.py's greedy check; lm_eval/api/metrics.py's
+`perplexity` aggregation; read at commit 4e7e0d47, 2026-08-21).
 
 The context is the passage's words but the last, `text.split(" ")[:-1]` joined by spaces; the
 target is `" " + text.split(" ")[-1]`, tokenized as the harness does (hellaswag.encode_pair).
@@ -39,7 +41,7 @@ from recipe.hellaswag import (
 )
 
 HUB = ("EleutherAI/lambada_openai", "default", "test")  # what lm-evaluation-harness reads
-ITEMS_PER_FORWARD = 16  # passages are short (~80 tokens): 16 rows keep a GPU busy, a CPU light
+ITEMS_PER_FORWARD = 16  # passages are short (a few hundred tokens at most): 16 rows a forward
 
 
 # ---- the items
