@@ -54,43 +54,62 @@ def load_items(
     first `limit` (>= 1) if given."""
     if task_file is None:
         return read_jsonl(cached_hub_file(cache_dir, key))[:limit]
+    return read_task_file(task_file, key, "HellaSwag", checked)[:limit]
+
+
+def read_task_file(
+    task_file: str, key: str, task: str, check: Callable[[str, str], dict]
+) -> list[dict]:
+    """The items of a local jsonl, each line checked by `check(line, where)`; refused in one line
+    naming `key` when the file is missing or holds no item."""
     path = Path(str(task_file)).expanduser()
     if not path.is_file():
-        raise MissingFile(f"{key}={task_file}: no such file; give a HellaSwag jsonl")
-    items = read_jsonl(path)
+        raise MissingFile(f"{key}={task_file}: no such file; give a {task} jsonl")
+    items = read_jsonl(path, check)
     if not items:
-        raise ConfigError(f"{key}={task_file}: no items in it; give a HellaSwag jsonl")
-    return items[:limit]
+        raise ConfigError(f"{key}={task_file}: no items in it; give a {task} jsonl")
+    return items
 
 
 def cached_hub_file(cache_dir: str, key: str = "task_file") -> Path:
     """`<cache_dir>/hellaswag/validation.jsonl`, downloaded from the hub the first time (copy it
     to a machine without network, or pass it as `key`=)."""
     path = Path(cache_dir).expanduser() / "hellaswag" / "validation.jsonl"
+    hint = f"{key}=<HellaSwag's validation jsonl, e.g. hellaswag_val.jsonl of rowanz/hellaswag>"
+    return hub_split_file(path, (HUB_PATH, None, "validation"), ("ind", *FIELDS), hint)
+
+
+def hub_split_file(
+    path: Path, hub: tuple[str, str | None, str], fields: tuple[str, ...], hint: str
+) -> Path:
+    """`path`, first written as a jsonl of the `fields` of the hub dataset's (path, config,
+    split) when it is not there yet; refused in one line saying to pass `hint` when the hub
+    cannot be reached."""
     if path.is_file():
         return path
     try:
         import datasets
 
-        rows = datasets.load_dataset(HUB_PATH, split="validation")
+        rows = datasets.load_dataset(hub[0], hub[1], split=hub[2])
     except Exception as e:  # datasets raises many types for "offline"/"not found"
         raise Unusable(
-            f"could not load {HUB_PATH} from the Hugging Face hub ({type(e).__name__}): pass "
-            f"{key}=<HellaSwag's validation jsonl, e.g. hellaswag_val.jsonl of rowanz/hellaswag>"
+            f"could not load {hub[0]} from the Hugging Face hub ({type(e).__name__}): pass {hint}"
         ) from e
     path.parent.mkdir(parents=True, exist_ok=True)
-    kept = ("ind", *FIELDS)
     write_text_atomically(
-        path, "".join(json.dumps({k: row[k] for k in kept}) + "\n" for row in rows)
+        path, "".join(json.dumps({k: row[k] for k in fields}) + "\n" for row in rows)
     )
     return path
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path, check: Callable[[str, str], dict] | None = None) -> list[dict]:
+    """The items of a jsonl, blank lines skipped, each checked (HellaSwag's `checked` unless
+    `check` is given) naming its line."""
+    check = check or checked
     items = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
-            items.append(checked(line, f"{path}:{n}"))
+            items.append(check(line, f"{path}:{n}"))
     return items
 
 
@@ -168,9 +187,17 @@ def token_mean_pairs(item: dict, encode: Callable[[str], list[int]]) -> Pairs:
 def continuation_logprobs(
     model: torch.nn.Module, pairs: Pairs, block_size: int, device: torch.device
 ) -> list[torch.Tensor]:
-    """The log-probability of each continuation token given everything before it, per row: one
-    forward of the rows right-padded (padding only follows the tokens that count, and attention
-    is causal), each row cut from the left to fit `block_size` inputs."""
+    """The log-probability of each continuation token given everything before it, per row."""
+    return [logprobs for logprobs, _ in scored_continuations(model, pairs, block_size, device)]
+
+
+def scored_continuations(
+    model: torch.nn.Module, pairs: Pairs, block_size: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per row, the log-probability of each continuation token given everything before it, and
+    whether it is the most likely token there (the first of the largest logits, as the harness's
+    argmax): one forward of the rows right-padded (padding only follows the tokens that count,
+    and attention is causal), each row cut from the left to fit `block_size` inputs."""
     rows = [(context + continuation)[-(block_size + 1) :] for context, continuation in pairs]
     inputs = torch.zeros(len(rows), max(map(len, rows)) - 1, dtype=torch.long)
     targets = torch.zeros_like(inputs)
@@ -179,11 +206,13 @@ def continuation_logprobs(
         targets[i, : len(row) - 1] = torch.tensor(row[1:])
     logits, _ = model(inputs.to(device))
     logprobs = logits.float().log_softmax(-1)
+    greedy = (logprobs.argmax(-1) == targets.to(device)).cpu()
     logprobs = logprobs.gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1).cpu()
     out = []
     for i, (row, (_, continuation)) in enumerate(zip(rows, pairs, strict=True)):
         end = len(row) - 1  # the last target; the continuation's tokens end there
-        out.append(logprobs[i, end - min(len(continuation), end) : end])
+        start = end - min(len(continuation), end)
+        out.append((logprobs[i, start:end], greedy[i, start:end]))
     return out
 
 

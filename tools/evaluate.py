@@ -1,11 +1,13 @@
 """Validation loss and perplexity of a trained model, by the trainer's own evaluation code; or
 its zero-shot HellaSwag accuracy (`task=hellaswag`, recipe/hellaswag.py, as the trainer's
-`train.hellaswag=true` scores it).
+`train.hellaswag=true` scores it), or its LAMBADA accuracy and perplexity (`task=lambada`,
+recipe/lambada.py).
 
     python -m tools.evaluate run=outputs/2026-11-23/10-00-00-1234        # the run's own corpus
     python -m tools.evaluate run=outputs/... data=text data.files='notes/*.txt' out=eval.json
     python -m tools.evaluate model.pretrained=exported/ eval_sequences=200
     python -m tools.evaluate run=outputs/... task=hellaswag task_file=hellaswag_val.jsonl
+    python -m tools.evaluate model.pretrained=gpt2 task=lambada out=lambada.json
     python -m tools.evaluate --help                                     # conf/evaluate.yaml
 
 The run's model comes from its checkpoint, its settings from its saved config: the corpus (or
@@ -27,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 import data
 import opt
 from model import GPT
-from recipe import config, distributed, errors, hellaswag
+from recipe import config, distributed, errors, hellaswag, lambada
 from recipe.evaluation import build_loaders, evaluate
 from tools import loading
 
@@ -37,7 +39,7 @@ config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
 SPREADING = ("ddp", "fsdp", "pp", "tp")
 # The optimizer's stage changes nothing evaluated (and would need torchao to plan): left out too.
 OPTIMIZER_ONLY = ("lowbit",)
-TASKS = ("val_loss", "hellaswag")
+TASKS = ("val_loss", "hellaswag", "lambada")
 
 
 @errors.app(config_name="evaluate")  # @hydra.main, its errors in one line
@@ -70,8 +72,8 @@ def run_config(cfg: DictConfig, saved: dict[str, Any] | None, model: GPT) -> Dic
 
 
 def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
-    """Prints the validation loss and perplexity, or the HellaSwag accuracies (and writes them
-    to `out` as JSON)."""
+    """Prints the validation loss and perplexity, or the HellaSwag accuracies, or LAMBADA's
+    accuracy and perplexity (and writes them to `out` as JSON)."""
     counts = ("eval_sequences", "block_size", "limit")
     config.check_numbers(cfg, {key: config.count(1, nullable=True) for key in counts})
     if cfg.task not in TASKS:
@@ -88,8 +90,8 @@ def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
     dist = distributed.init(run_cfg.device)
     plan = opt.plan(run_cfg, dist)
     model = opt.apply_model_stages(model, run_cfg.opt, plan, dist)  # type: ignore[assignment]
-    task = hellaswag_task if cfg.task == "hellaswag" else val_loss_task
-    result = task(cfg, run_cfg, model, plan, dist) | {
+    task = {"val_loss": val_loss_task, "hellaswag": hellaswag_task, "lambada": lambada_task}
+    result = task[cfg.task](cfg, run_cfg, model, plan, dist) | {
         "model": loading.source(cfg),
         "block_size": run_cfg.model.block_size,
         "stages": plan.stages,
@@ -135,6 +137,22 @@ def hellaswag_task(
         f"{'+'.join(plan.stages) or 'none'}"
     )
     return {f"hellaswag/{k}": v for k, v in scores.items()} | {"task_file": cfg.task_file}
+
+
+def lambada_task(
+    cfg: DictConfig, run_cfg: DictConfig, model: GPT, plan: opt.Plan, dist: distributed.Distributed
+) -> dict[str, Any]:
+    """LAMBADA's last-word accuracy and perplexity (recipe/lambada.py) under the run's precision."""
+    items = lambada.load_items(cfg.task_file, run_cfg.data.cache_dir, cfg.limit)
+    scores = lambada.evaluate(
+        model, items, block_size=run_cfg.model.block_size, dist=dist,
+        autocast=plan.autocast(dist.device),
+    )  # fmt: skip
+    print(
+        f"[evaluate] lambada acc {scores['acc']:.4f} | ppl {scores['ppl']:.2f} | {len(items)} "
+        f"items | stages {'+'.join(plan.stages) or 'none'}"
+    )
+    return {f"lambada/{k}": v for k, v in scores.items()} | {"task_file": cfg.task_file}
 
 
 if __name__ == "__main__":

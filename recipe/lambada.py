@@ -1,0 +1,156 @@
+"""LAMBADA, zero-shot: the last word of each of the 5,153 passages of OpenAI's processed test
+split, as EleutherAI's lm-evaluation-harness scores its `lambada_openai` task
+(lm_eval/tasks/lambada/lambada_openai.yaml: dataset EleutherAI/lambada_openai, config default,
+split test, output_type loglikelihood; lm_eval/api/task.py, ConfigurableTask's construct_requests
+and process_results; lm_eval/models/huggingface.py's greedy check; lm_eval/api/metrics.py's
+`perplexity` aggregation; read at commit 4e7e0d47, 2026-08-21).
+
+The context is the passage's words but the last, `text.split(" ")[:-1]` joined by spaces; the
+target is `" " + text.split(" ")[-1]`, tokenized as the harness does (hellaswag.encode_pair).
+
+- `acc`: the share of passages whose every target token is the model's most likely token there
+  (greedy decoding writes the word: the harness's `is_greedy`).
+- `ppl`: exp of minus the mean over passages of the target's summed log-likelihood (per word,
+  not per token: the harness's `perplexity`).
+
+Several passages share a forward, right-padded, each cut from the left to fit the window (as
+the harness truncates). Under DDP/FSDP passage i is scored on data-parallel rank i % dp_size and
+the sums are added up, as recipe/hellaswag.py does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed
+
+from data.tokenizer import gpt2_encoding
+from recipe.distributed import Distributed
+from recipe.errors import ConfigError
+from recipe.hellaswag import (
+    encode_pair,
+    hub_split_file,
+    read_jsonl,
+    read_task_file,
+    scored_continuations,
+)
+
+HUB = ("EleutherAI/lambada_openai", "default", "test")  # what lm-evaluation-harness reads
+ITEMS_PER_FORWARD = 16  # passages are short (a few hundred tokens at most): 16 rows a forward
+
+
+# ---- the items
+
+
+def load_items(task_file: str | None, cache_dir: str, limit: int | None = None) -> list[dict]:
+    """The passages of `task_file` (a jsonl with a `text` field), or of the hub dataset, saved as
+    a jsonl in `cache_dir` on first use; the first `limit` (>= 1) if given."""
+    if task_file is None:
+        return read_jsonl(cached_hub_file(cache_dir), checked)[:limit]
+    return read_task_file(task_file, "task_file", "LAMBADA", checked)[:limit]
+
+
+def cached_hub_file(cache_dir: str) -> Path:
+    """`<cache_dir>/lambada_openai/test.jsonl`, downloaded from the hub the first time (copy it
+    to a machine without network, or pass it as task_file=)."""
+    path = Path(cache_dir).expanduser() / "lambada_openai" / "test.jsonl"
+    hint = 'task_file=<a jsonl of LAMBADA passages, one {"text": ...} per line>'
+    return hub_split_file(path, HUB, ("text",), hint)
+
+
+def checked(line: str, where: str) -> dict:
+    """One passage, refused naming its line unless it is an object whose `text` has a last word
+    after a space."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not JSON ({e}); give one LAMBADA passage per line") from e
+    text = item.get("text") if isinstance(item, dict) else None
+    if not isinstance(text, str) or " " not in text.strip():
+        raise ConfigError(
+            f'{where}: no text of two words or more; give {{"text": "<passage> <last word>"}}'
+        )
+    return item
+
+
+def context_and_target(text: str) -> tuple[str, str]:
+    """The harness's doc_to_text and doc_to_target."""
+    words = text.split(" ")
+    return " ".join(words[:-1]), " " + words[-1]
+
+
+# ---- scoring
+
+
+@torch.no_grad()
+def scores(
+    model: torch.nn.Module, items: list[dict], block_size: int, device: torch.device
+) -> list[tuple[bool, float]]:
+    """Per passage: whether greedy decoding writes its last word, and that word's summed
+    log-likelihood (float64)."""
+    encode = gpt2_encoding().encode_ordinary
+    pairs = [encode_pair(*context_and_target(item["text"]), encode) for item in items]
+    return [
+        (bool(greedy.all()), logprobs.double().sum().item())
+        for logprobs, greedy in scored_continuations(model, pairs, block_size, device)
+    ]
+
+
+def sums(
+    model: torch.nn.Module,
+    items: list[dict],
+    *,
+    block_size: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> torch.Tensor:
+    """This rank's passages' (i % world_size == rank) count of words written greedily and summed
+    log-likelihood, float64. Every rank runs the same number of forwards (a rank short of
+    passages repeats the first, uncounted): under FSDP each forward gathers the weights from all
+    ranks. Eager and in eval mode, as evaluate()."""
+    mine = items[rank::world_size]
+    most = -(-len(items) // world_size)  # the passages of the busiest rank
+    rounds = -(-most // ITEMS_PER_FORWARD)
+    total = torch.zeros(2, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    with torch.compiler.set_stance("force_eager"), autocast or contextlib.nullcontext():
+        for n in range(rounds):
+            batch = mine[n * ITEMS_PER_FORWARD : (n + 1) * ITEMS_PER_FORWARD]
+            scored = scores(model, batch or items[:1], block_size, device)
+            for greedy, loglikelihood in scored[: len(batch)]:
+                total += torch.tensor([float(greedy), loglikelihood], dtype=torch.float64)
+    model.train(was_training)
+    return total
+
+
+def evaluate(
+    model: torch.nn.Module,
+    items: list[dict],
+    *,
+    block_size: int,
+    dist: Distributed,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> dict[str, Any]:
+    """Accuracy and perplexity over `items` (split over the ranks) and the item count; every rank
+    must call it."""
+    total = sums(
+        model, items, block_size=block_size, device=dist.device, rank=dist.dp_rank,
+        world_size=dist.dp_size, autocast=autocast,
+    ).to(dist.device)  # fmt: skip
+    if dist.enabled:
+        torch.distributed.all_reduce(total)  # a sum
+        total /= dist.world_size // dist.dp_size  # each tp group's sums, from each of its ranks
+    correct, loglikelihood = total.tolist()
+    return {
+        "acc": correct / len(items),
+        "ppl": math.exp(-loglikelihood / len(items)),
+        "items": len(items),
+    }
