@@ -126,6 +126,22 @@ def test_every_import_goes_to_its_own_room_or_a_lower_one() -> None:
     assert not found, "\n".join(found)
 
 
+def test_every_room_s_package_is_installed_and_type_checked() -> None:
+    """A room's package missing from pyproject would import from the checkout and fail once
+    installed (`python -m launch.torchrun` from elsewhere), unchecked by mypy, sorted as
+    third-party."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    packages = {n for n in ROOMS if "." not in n and (ROOT / n / "__init__.py").exists()}
+    assert "launch" in packages
+    for listed in (
+        project["tool"]["setuptools"]["packages"],
+        project["tool"]["mypy"]["files"],
+        project["tool"]["ruff"]["lint"]["isort"]["known-first-party"],
+    ):
+        assert packages <= set(listed), sorted(packages - set(listed))
+
+
 @pytest.mark.parametrize(
     "path,source,expected",
     [
