@@ -23,8 +23,9 @@ from omegaconf import DictConfig
 
 import data
 import opt
+from launch import torchrun
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, errors, hellaswag, launch, rundir
+from recipe import checkpoint, config, distributed, errors, hellaswag, rundir
 from recipe.evaluation import build_loaders, validation
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import cap_memory, peak_flops
@@ -215,7 +216,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                         logger.log({"perf/checkpoint_s": saver.held_s}, step)
             if stopping:
                 saver.wait()  # async_save: on disk before saying so
-                launch.mark_saved_on_stop(dist.rank)  # for recipe/launch.py's exit code
+                torchrun.mark_saved_on_stop(dist.rank)  # for launch/torchrun.py's exit code
                 break
 
     saver.close()  # the last save is on disk (async_save: waits; raises its failure)

@@ -1,13 +1,12 @@
 """One process per GPU (launched by `torchrun`) or a single process; the device each one uses,
-the process groups they talk through, and the `torchrun` command lines that start them."""
+the process groups they talk through, and the command that started them (`launcher`, for the
+commands a run prints); the `torchrun` command lines that start them are launch/torchrun.py's."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -216,26 +215,6 @@ def shutdown() -> None:
     _CPU_GROUP, _PENDING_VOTE = None, None
 
 
-def torchrun(
-    nproc_per_node: int, nnodes: int = 1, rdzv_endpoint: str = "", rdzv_id: str = "gpt2-recipe"
-) -> list[str]:
-    """The command that starts `nproc_per_node` processes here: alone (`--standalone`), or as
-    one of `nnodes` machines meeting at a c10d rendezvous on `rdzv_endpoint` (host:port of the
-    first machine; every machine runs the same command, and c10d assigns the node ranks)."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc_per_node}"]
-    if nnodes == 1:
-        return [*command, "--standalone"]
-    if not rdzv_endpoint:
-        raise ConfigError(f"{nnodes} nodes need a rendezvous endpoint (host:port of the first)")
-    return [
-        *command,
-        f"--nnodes={nnodes}",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint={rdzv_endpoint}",
-        f"--rdzv_id={rdzv_id}",
-    ]
-
-
 def launcher() -> list[str]:
     """The words that start this run again, for the commands it prints (`continue: ...`): the
     torchrun that started it, with its process count (from the variables torchrun gives each
@@ -255,21 +234,3 @@ def launcher() -> list[str]:
         "--rdzv_backend=c10d",
         "--rdzv_endpoint=<host:port of the first machine>",
     ]
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes below `pid` (children first), from /proc: torchrun starts each worker in a
-    session of its own, out of reach of a signal to the agent's process group."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (command)"
-        except OSError:  # exited meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, queue = [], list(children.get(pid, []))
-    while queue:
-        child = queue.pop(0)
-        found.append(child)
-        queue += children.get(child, [])
-    return found

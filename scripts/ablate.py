@@ -74,8 +74,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import recipe.errors
-from recipe.distributed import descendants, torchrun
-from recipe.provenance import device_name, environment, git_commit
+from launch.provenance import device_name, environment, git_commit
+from launch.torchrun import descendants, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 # The harness's own config, apart from conf/'s groups: train.py's search path does not see it.

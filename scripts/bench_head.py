@@ -42,7 +42,7 @@ from kernels.linear_cross_entropy import (
     chunked_linear_cross_entropy,
     linear_cross_entropy,
 )
-from recipe.provenance import git_commit
+from launch.provenance import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 

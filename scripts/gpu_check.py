@@ -32,7 +32,7 @@ from typing import Any
 import ablate  # a sibling script: its folder is first on sys.path
 import torch
 
-from recipe.provenance import device_name, environment
+from launch.provenance import device_name, environment
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from launch.sweep import own_overrides
 from recipe.config import OVERRIDES_FILE
-from recipe.launch import own_overrides
 from recipe.rundir import METRICS, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

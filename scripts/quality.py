@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from recipe.provenance import environment
+from launch.provenance import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -384,7 +384,7 @@ def measure(args: argparse.Namespace) -> dict:
     every run; stops early rather than pass `args.deadline_s`."""
     from ablate import slug  # a sibling script: its folder is first on sys.path
 
-    from recipe.provenance import device_name, environment
+    from launch.provenance import device_name, environment
 
     if not (args.bench / "bench.py").exists():
         raise SystemExit(f"{args.bench}/bench.py not found: copy nanoGPT's bench.py there")

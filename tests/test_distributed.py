@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 import opt
 from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg
+from launch.torchrun import descendants, torchrun
 from model import GPT, GPTConfig
 from opt.ddp import apply_ddp, default_knobs
 from recipe import checkpoint, distributed
@@ -64,14 +65,14 @@ def _launch(*commands: list[str], timeout: float = 300) -> str:
 def _stop(agent: subprocess.Popen) -> None:
     """Kills a torchrun agent that is still running, and its workers."""
     if agent.poll() is None:
-        for pid in [*distributed.descendants(agent.pid), agent.pid]:
+        for pid in [*descendants(agent.pid), agent.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         agent.wait()
 
 
 def _torchrun(script: str, *args: str) -> str:
-    return _launch([*distributed.torchrun(2), script, *args])
+    return _launch([*torchrun(2), script, *args])
 
 
 def _free_port() -> int:
@@ -118,7 +119,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     train(make_cfg(*TINY, *RUN, "+opt=fsdp", *resume_here), on_one, overrides=list(resume_here))
     out |= {"fsdp_resumed": resumed, "fsdp_resumed_on_one": on_one}
     # Two "machines" of one process each, meeting at a c10d rendezvous on this host.
-    agent = distributed.torchrun(
+    agent = torchrun(
         1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_id=f"test-{os.getpid()}"
     )
     two_nodes = [*agent, "train.py", *TINY, *RUN, "train.batch_size=2"]
@@ -264,7 +265,7 @@ def test_sigterm_on_one_rank_checkpoints_and_stops_every_rank(tmp_path) -> None:
     args = (*TINY, "train.max_steps=100000", "train.log_interval=1", "train.batch_size=2",
             "train.eval_interval=100000", "train.checkpoint_interval=0",
             "wandb.mode=disabled")  # fmt: skip
-    command = [*distributed.torchrun(2), "train.py", *args, f"hydra.run.dir={run_dir}"]
+    command = [*torchrun(2), "train.py", *args, f"hydra.run.dir={run_dir}"]
     agent = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -272,7 +273,7 @@ def test_sigterm_on_one_rank_checkpoints_and_stops_every_rank(tmp_path) -> None:
         deadline = time.time() + 120
         while len(_logged_losses(run_dir)) < 3 and time.time() < deadline:
             time.sleep(0.2)
-        rank1 = [pid for pid in distributed.descendants(agent.pid) if _rank(pid) == "1"]
+        rank1 = [pid for pid in descendants(agent.pid) if _rank(pid) == "1"]
         assert len(rank1) == 1, "rank 1's worker not found"
         os.kill(rank1[0], signal.SIGTERM)
         output, _ = agent.communicate(timeout=120)
@@ -431,12 +432,12 @@ def test_process_groups_and_launch_commands() -> None:
     assert distributed.backend(CPU) == "gloo"
     single = Distributed(rank=0, local_rank=0, world_size=1, device=CPU)
     assert single.any_one_step_late(True) and not single.any_one_step_late(False)  # at once
-    assert distributed.torchrun(2)[-2:] == ["--nproc_per_node=2", "--standalone"]
-    nodes = distributed.torchrun(4, nnodes=2, rdzv_endpoint="node1:29500", rdzv_id="job7")
+    assert torchrun(2)[-2:] == ["--nproc_per_node=2", "--standalone"]
+    nodes = torchrun(4, nnodes=2, rdzv_endpoint="node1:29500", rdzv_id="job7")
     assert nodes[-4:] == ["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node1:29500",
                           "--rdzv_id=job7"]  # fmt: skip
     with pytest.raises(ValueError, match="rendezvous endpoint"):
-        distributed.torchrun(1, nnodes=2)
+        torchrun(1, nnodes=2)
 
 
 # ---- on a GPU, with a group of one: what gloo cannot show

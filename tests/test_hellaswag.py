@@ -19,8 +19,9 @@ from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, TINY, logged, tiny_run
 from data.tokenizer import gpt2_encoding
+from launch.torchrun import torchrun
 from model import GPT, GPTConfig
-from recipe import distributed, hellaswag
+from recipe import hellaswag
 from recipe.distributed import Distributed
 from tools import evaluate as evaluate_app
 
@@ -248,7 +249,7 @@ def test_fsdp_on_two_processes_scores_as_one_process(task_file, tmp_path) -> Non
         f"train.hellaswag_file={task_file}", "sample.num_samples=0", "wandb.mode=disabled",
     )  # fmt: skip
     tiny_run(tmp_path / "one", *run)
-    command = [*distributed.torchrun(2), "train.py", *TINY, *run, "+opt=fsdp"]
+    command = [*torchrun(2), "train.py", *TINY, *run, "+opt=fsdp"]
     done = subprocess.run(
         [*command, f"hydra.run.dir={tmp_path / 'fsdp'}"], cwd=ROOT, capture_output=True,
         text=True, timeout=300,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TINY, load_script, logged
-from recipe import distributed
+from launch.torchrun import torchrun
 from train import closing_line
 
 RUN = ("train.log_interval=1", "train.eval_interval=2", "train.checkpoint_interval=2",
@@ -56,7 +56,7 @@ def test_a_torchrun_run_continues_with_torchrun_and_its_process_count(
 @pytest.mark.slow
 def test_the_continue_line_of_a_ddp_run_pasted_as_printed_resumes_it(tmp_path) -> None:
     run_dir = tmp_path / "ddp run"  # a space: the printed line must quote it
-    launch = [*distributed.torchrun(2), "train.py", *TINY, *RUN, "train.max_steps=2"]
+    launch = [*torchrun(2), "train.py", *TINY, *RUN, "train.max_steps=2"]
     first = subprocess.run(
         [*launch, f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300
     )

@@ -70,7 +70,7 @@ def _job(num: int, overrides: list[str], summary: dict | None) -> tuple:
 
 
 def test_a_sweep_prints_its_table_when_its_last_job_ends(capsys) -> None:
-    from recipe.launch import SweepTable
+    from launch.sweep import SweepTable
 
     table = SweepTable()
     table.jobs = 3
@@ -87,7 +87,7 @@ def test_a_sweep_prints_its_table_when_its_last_job_ends(capsys) -> None:
 
 
 def test_a_stopped_sweep_prints_its_table_too(capsys) -> None:
-    from recipe.launch import SweepTable
+    from launch.sweep import SweepTable
 
     table = SweepTable()
     table.jobs = 3
@@ -96,7 +96,7 @@ def test_a_stopped_sweep_prints_its_table_too(capsys) -> None:
 
 
 def test_a_single_run_prints_no_table(capsys) -> None:
-    from recipe.launch import SweepTable
+    from launch.sweep import SweepTable
 
     SweepTable().on_job_end(*_job(0, ["train.lr=1e-3"], {"completed": True}))
     assert capsys.readouterr().out == ""

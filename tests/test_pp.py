@@ -15,9 +15,10 @@ from test_distributed import _launch
 
 import opt
 from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg
+from launch.torchrun import torchrun
 from model import GPT, GPTConfig
 from opt.pp import bubble, prune, stage_starts
-from recipe import checkpoint, distributed
+from recipe import checkpoint
 from recipe.distributed import Distributed
 from tools import consolidate_checkpoint, evaluate
 from train import build_optimizer, train
@@ -39,7 +40,7 @@ MULTI = Distributed(rank=0, local_rank=0, world_size=2, device=torch.device("cpu
 
 
 def _pp(run_dir: Path, *args: str, stages: str = "pp") -> None:
-    command = [*distributed.torchrun(2), "train.py", *TINY, *RUN, f"+opt=[{stages}]", *args]
+    command = [*torchrun(2), "train.py", *TINY, *RUN, f"+opt=[{stages}]", *args]
     (run_dir.parent / f"{run_dir.name}.log").write_text(
         _launch([*command, f"hydra.run.dir={run_dir}"])
     )
@@ -55,7 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # 1f1b: stopped at step 4, resumed on the pipeline (-> 1f1b) and in one process.
     _pp(root / "1f1b", *SCHEDULES["1f1b"], "train.max_steps=4")
     shutil.copytree(root / "1f1b", root / "on_one")
-    _launch([*distributed.torchrun(2), "train.py", f"hydra.run.dir={root / '1f1b'}",
+    _launch([*torchrun(2), "train.py", f"hydra.run.dir={root / '1f1b'}",
              "train.resume=true", "train.max_steps=8"])  # fmt: skip
     resume_here = ("train.resume=true", "train.max_steps=8", "~opt.pp")
     cfg = make_cfg(*TINY, *RUN, "+opt=pp", *resume_here)
@@ -131,7 +132,7 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_and_samples(runs, tmp_path
 def test_a_pipeline_refuses_a_checkpoint_written_without_it(tmp_path) -> None:
     args = ("model.n_layer=4", "train.max_steps=1", "sample.num_samples=0", "wandb.mode=disabled")
     train(tiny_cfg(*args), tmp_path, overrides=[*TINY, *args])
-    command = [*distributed.torchrun(2), "train.py", f"hydra.run.dir={tmp_path}",
+    command = [*torchrun(2), "train.py", f"hydra.run.dir={tmp_path}",
                "train.resume=true", "train.max_steps=2", "+opt=pp"]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0

@@ -223,7 +223,7 @@ def test_sigterm_to_the_process_group_with_workers_checkpoints_and_exits_0(tmp_p
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sigterm_to_a_launcher_group_checkpoints_and_exits_0(tmp_path) -> None:
-    launcher = [sys.executable, "-m", "recipe.launch", "--standalone", "--nproc_per_node=2",
+    launcher = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc_per_node=2",
                 "train.py"]  # fmt: skip
     proc = _group_launch(tmp_path, *launcher)
     out = _signal_group_at_step(proc, 2)

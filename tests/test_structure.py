@@ -21,12 +21,13 @@ ROOMS: dict[str, int] = {
     "kernels": 1,
     "recipe": 2,  # the trainer's plumbing
     "opt": 3,  # the stages, which configure the plumbing
-    "train": 4,  # the programs
-    "sample": 4,
-    "tools": 4,
-    "scripts": 5,  # benchmarks, ladders and reports, which run the programs
-    "tests": 6,
-    "conftest": 6,
+    "launch": 4,  # launching: torchrun's commands and stop, the sweep's callbacks, provenance
+    "train": 5,  # the programs
+    "sample": 5,
+    "tools": 5,
+    "scripts": 6,  # benchmarks, ladders and reports, which run the programs
+    "tests": 7,
+    "conftest": 7,
 }
 SCRIPTS = {p.stem for p in (ROOT / "scripts").glob("*.py")}  # imported by name, as siblings
 
@@ -117,11 +118,28 @@ def python_files() -> list[Path]:
 
 def test_every_import_goes_to_its_own_room_or_a_lower_one() -> None:
     files = python_files()
-    assert {"train", "sample", "tools.evaluate", "recipe.errors"} <= {module_name(p) for p in files}
+    expected = {"train", "sample", "tools.evaluate", "recipe.errors", "launch.torchrun"}
+    assert expected <= {module_name(p) for p in files}
     unplaced = [str(p.relative_to(ROOT)) for p in files if room(module_name(p)) is None]
     assert not unplaced, f"files in no room: add their folder to ROOMS: {unplaced}"
     found = [v for p in files for v in violations(p, p.read_text(encoding="utf-8"))]
     assert not found, "\n".join(found)
+
+
+def test_every_room_s_package_is_installed_and_type_checked() -> None:
+    """A room's package missing from pyproject would import from the checkout and fail once
+    installed (`python -m launch.torchrun` from elsewhere), unchecked by mypy, sorted as
+    third-party."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    packages = {n for n in ROOMS if "." not in n and (ROOT / n / "__init__.py").exists()}
+    assert "launch" in packages
+    for listed in (
+        project["tool"]["setuptools"]["packages"],
+        project["tool"]["mypy"]["files"],
+        project["tool"]["ruff"]["lint"]["isort"]["known-first-party"],
+    ):
+        assert packages <= set(listed), sorted(packages - set(listed))
 
 
 @pytest.mark.parametrize(
@@ -133,7 +151,10 @@ def test_every_import_goes_to_its_own_room_or_a_lower_one() -> None:
         ("recipe/x.py", "from . import generate\n", None),
         ("recipe/errors.py", "from recipe import config\n", "imports recipe.config (room 2)"),
         ("tools/x.py", "from train import evaluate\n", "imports train.py"),
-        ("opt/x.py", "import ablate\n", "imports ablate (room 5)"),
+        ("opt/x.py", "import ablate\n", "imports ablate (room 6)"),
+        ("opt/x.py", "from launch.torchrun import torchrun\n", "imports launch.torchrun (room 4)"),
+        ("launch/x.py", "from tools import generate\n", "imports tools.generate (room 5)"),
+        ("train.py", "from launch import torchrun\n", None),
         ("scripts/x.py", "import sys\nsys.path.insert(0, '.')\n", "changes sys.path"),
         ("scripts/x.py", "import sys\nsys.path += ['.']\n", "changes sys.path"),
         ("tests/x.py", "import sys\nfrom train import train\nsys.path.append('.')\n", None),

@@ -17,7 +17,8 @@ import torch
 
 import opt
 from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg, tiny_run
-from recipe import checkpoint, distributed
+from launch.torchrun import torchrun
+from recipe import checkpoint
 from recipe.distributed import Distributed
 from train import train
 
@@ -41,7 +42,7 @@ def _torchrun(processes: int, *args: str) -> str:
     """`torchrun --nproc_per_node=<processes> <args>`; its output (it must succeed)."""
     with tempfile.TemporaryFile("w+") as log:
         done = subprocess.run(
-            [*distributed.torchrun(processes), *args], cwd=ROOT, stdout=log,
+            [*torchrun(processes), *args], cwd=ROOT, stdout=log,
             stderr=subprocess.STDOUT, timeout=600,
         )  # fmt: skip
         log.seek(0)

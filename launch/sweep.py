@@ -1,27 +1,16 @@
-"""`python -m recipe.launch <torchrun's arguments>`: torchrun, with one difference. When the
-launcher itself gets SIGTERM or SIGINT (a scheduler preempting the job, Ctrl-C), torchrun
-forwards it to the trainers, which save a checkpoint and exit 0, but then exits 1 itself; a
-scheduler reads that as a failed job. This launcher exits 0 when every trainer it started
-reported its checkpoint saved, and 1 otherwise. Everything else is torchrun's.
+"""The sweep's callbacks (conf/config.yaml's hydra.callbacks), for `python train.py -m ...`.
 
-    python -m recipe.launch --nproc_per_node=2 train.py model=gpt2 +opt=fsdp
-
-Give the trainers time to finish their step and save: `--shutdown-timeout` (seconds; torchrun's
-default is 30) before torchrun kills them.
-
-A sweep (`python train.py -m ...`) stops as a whole in the same way: `SweepStop`, a Hydra
-callback (conf/config.yaml's hydra.callbacks), lets the job that was signalled save its
-checkpoint and return, then ends the process before the next job starts, with 128 + the
-signal's number (a sweep cut short did not succeed) and a line saying where it stopped.
-`SweepTable`, another callback, prints the sweep's results at its end: one line per job.
+`SweepStop` stops a sweep as a whole, as launch/torchrun.py stops torchrun's processes: it lets
+the job that was signalled (SIGTERM, Ctrl-C) save its checkpoint and return, then ends the
+process before the next job starts, with 128 + the signal's number (a sweep cut short did not
+succeed) and a line saying where it stopped. `SweepTable` prints the sweep's results at its end:
+one line per job.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +21,6 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from recipe.rundir import resume_command
-
-STOP_MARKS = "GPT2_RECIPE_STOP_MARKS"  # where each trainer marks "checkpoint saved on a stop"
 
 
 class SweepStop(Callback):
@@ -134,34 +121,3 @@ def sweep_size(config: DictConfig) -> int:
     overrides = OverridesParser.create().parse_overrides([*arguments, *config.hydra.overrides.task])
     (jobs,) = BasicSweeper.split_arguments(overrides, max_batch_size=None)
     return len(jobs)
-
-
-def mark_saved_on_stop(rank: int) -> None:
-    """Called by a trainer after the checkpoint it saved because of a stop signal."""
-    folder = os.environ.get(STOP_MARKS)
-    if folder:
-        (Path(folder) / f"rank-{rank}").touch()
-
-
-def main(argv: list[str]) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import parse_args, run
-
-    args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="gpt2-recipe-stop-") as marks:
-        os.environ[STOP_MARKS] = marks
-        try:
-            run(args)
-        except SignalException as e:
-            saved = len(list(Path(marks).iterdir()))
-            expected = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
-            if saved >= expected:
-                print(f"[launch] {e.sigval.name}: all {saved} trainers saved a checkpoint; exit 0")
-                return 0
-            print(f"[launch] {e.sigval.name}: only {saved} of {expected} trainers saved; exit 1")
-            return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
