@@ -21,8 +21,10 @@ replication (FSDP2's `replicate`, any other run) wrap each stage over that dimen
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -43,6 +45,7 @@ from opt import stage
 from recipe.distributed import Distributed, log, mesh_shape
 from recipe.errors import ConfigError
 from recipe.knobs import count
+from recipe.metrics import StepTimer
 
 IGNORED = -100  # F.cross_entropy's ignore_index: the targets of evaluation's padding rows
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -191,6 +194,56 @@ def prune(model: GPT, blocks: list[int], first: bool, last: bool) -> None:
         del t["ln_f"], model.lm_head
 
 
+class ComputeClock:
+    """This rank's time computing (its stages' forward and backward chunks, the loss) within
+    the training steps, and the steps' time: the rest of a step is its measured bubble, the
+    waits for other stages, the sends and receives and the schedule's own work. Evaluation's
+    chunks are not counted. CUDA events on a GPU, read at log steps (recipe/metrics.py)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.busy, self.wall = StepTimer(device), StepTimer(device)
+        self.measuring = False  # inside a training step
+
+    def time_chunks(self, stages: list[PipelineStage]) -> None:
+        """Times every forward and backward chunk the schedule runs on `stages`."""
+        for one in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(one, name, self.timed(getattr(one, name)))
+
+    def timed(self, compute: Callable[..., Any]) -> Callable[..., Any]:
+        """`compute`, its time inside a training step counted as busy."""
+
+        @functools.wraps(compute)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.measuring:  # outside a training step, or inside a timed call already
+                return compute(*args, **kwargs)
+            self.measuring = False
+            self.busy.start()
+            try:
+                return compute(*args, **kwargs)
+            finally:
+                self.busy.step()
+                self.measuring = True
+
+        return timed
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Around a training step: its time, and its compute counted."""
+        self.wall.start()
+        self.measuring = True
+        try:
+            yield
+        finally:
+            self.measuring = False
+            self.wall.step()
+
+    def idle(self) -> float:
+        """The idle fraction of the steps since the last call (NaN: none ran)."""
+        wall, busy = sum(self.wall.read_ms()), sum(self.busy.read_ms())
+        return 1 - busy / wall if wall else float("nan")
+
+
 class Pipeline(nn.Module):
     """This rank's stages and the schedule that runs them: the trainer's forward and backward
     over the micro-batches of a step (`forward_backward`), the global gradient norm and its
@@ -207,6 +260,7 @@ class Pipeline(nn.Module):
         tied: tuple[nn.Module | None, torch_dist.ProcessGroup | None],
         batch_size: int,
         microbatches: int,
+        clock: ComputeClock,
     ) -> None:
         super().__init__()
         # The step's batch: the schedule's buffers have the shapes of its micro-batches.
@@ -221,6 +275,9 @@ class Pipeline(nn.Module):
         self.tied_module, self.tied_group = tied
         # The last stage's copy: its gradient, once summed, is the first stage's too.
         self.holds_head_copy = self.tied_module is not None and stages[-1].head is not None
+        # The measured bubble (`clock`), and the theory's for comparison.
+        self.dist, self.clock = dist, clock
+        self.theory = bubble(dist.mesh["pp"].size(), microbatches, len(stages))
 
     def tied(self) -> nn.Parameter | None:
         """This rank's copy of the tied embedding/head weight (None between the two)."""
@@ -230,11 +287,21 @@ class Pipeline(nn.Module):
         """One step's forward and backward through the schedule (gradients averaged over the
         micro-batches); returns the step's loss (the micro-batches' mean) on every rank."""
         losses: list[torch.Tensor] = []
-        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        with self.clock.step():
+            self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         tied = self.tied()
         if tied is not None and tied.grad is not None:  # the embedding's + the head's
             torch_dist.all_reduce(_local(tied.grad), group=self.tied_group)  # same shards
         return self._broadcast(torch.stack(losses).mean() if losses else None)
+
+    def bubble_metrics(self) -> dict[str, float]:
+        """`perf/pp_bubble`: the idle fraction of the training steps since the last call, 1 -
+        compute time / step time, per rank, averaged over all ranks (a collective: every rank
+        calls it); `perf/pp_bubble_theory`: the schedule's (`bubble`), for comparison."""
+        return {
+            "perf/pp_bubble": statistics.fmean(self.dist.gather(self.clock.idle())),
+            "perf/pp_bubble_theory": self.theory,
+        }
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[None, torch.Tensor]:
         """The evaluation loss, as `GPT.forward` gives it (forward only, every rank). The
@@ -302,6 +369,10 @@ def apply_pp(
         for stage, s in zip(stages, mine, strict=True)
     ]
 
+    clock = ComputeClock(dist.device)
+    clock.time_chunks(pipeline_stages)
+
+    @clock.timed  # the last stage's head and loss: compute outside its chunks' forward
     def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast():
             return model.head(hidden, targets)[1]  # type: ignore[return-value]  # given targets
@@ -316,7 +387,7 @@ def apply_pp(
         f"{cfg.schedule} over {cfg.microbatches} micro-batches, idle in theory "
         f"{bubble(degree, cfg.microbatches, cfg.stages_per_rank):.0%} of the step (the bubble)"
     )
-    return Pipeline(stages, schedule, model.config, dist, tied, batch_size, cfg.microbatches)
+    return Pipeline(stages, schedule, model.config, dist, tied, batch_size, cfg.microbatches, clock)
 
 
 def bubble(degree: int, microbatches: int, stages_per_rank: int = 1) -> float:

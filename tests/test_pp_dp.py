@@ -1,12 +1,15 @@
 """+opt=pp with data parallelism (issue 22): 4 processes as 2 pipelines of 2 stages, FSDP
 ('+opt=[pp,fsdp]') or replicas (+opt=pp alone: FSDP2's replicate) over the mesh's dp dimension,
 each pipeline reading its half of the global batch, give one process's losses with that batch
-over 8 steps; a pp x fsdp checkpoint (a DCP shard per stage and dp rank) resumes in one
-process. The planning rules, in this process."""
+over 8 steps, and log the measured bubble; a pp x fsdp checkpoint (a DCP shard per stage and
+dp rank) resumes in one process. The planning rules, in this process."""
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from test_tp import _torchrun
 
 import opt
 from conftest import TINY, logged, make_cfg, tiny_cfg
+from opt.pp import ComputeClock
 from recipe.distributed import Distributed
 from train import train
 
@@ -74,6 +78,19 @@ def test_two_pipelines_match_one_process(runs, name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.parametrize("name", ["fsdp", "ddp"])
+def test_the_measured_bubble_is_logged_beside_the_theory(runs, name: str) -> None:
+    """Each log step's idle fraction of the ranks' steps (compute chunks vs the step's time),
+    and the summary's last one, beside the schedule's (p-1)/(m+p-1) = 1/5."""
+    measured = logged(runs[name], "perf/pp_bubble")
+    assert len(measured) == 8 and all(0 < idle < 1 for idle in measured)
+    assert logged(runs[name], "perf/pp_bubble_theory") == [pytest.approx(0.2)] * 8
+    summary = json.loads((runs[name] / "summary.json").read_text())
+    assert summary["perf/pp_bubble"] == measured[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_pp_by_fsdp_checkpoint_resumes_in_one_process(runs) -> None:
     """Each of the 4 ranks wrote its stage's FSDP shard; one process read them whole at step 4
     and went on as the uninterrupted run."""
@@ -105,3 +122,17 @@ def test_what_still_cannot_run_is_refused_in_one_line(world: int, overrides, mes
     with pytest.raises(ValueError, match=message) as refused:
         _plan(world, *overrides)
     assert "\n" not in str(refused.value)
+
+
+def test_the_clock_counts_compute_inside_training_steps_once() -> None:
+    """Busy: the timed compute in a step, once when nested (the loss inside a chunk); not an
+    evaluation's chunks outside a step; idle: the rest of the step."""
+    clock = ComputeClock(torch.device("cpu"))
+    compute = clock.timed(lambda seconds: time.sleep(seconds))
+    nested = clock.timed(lambda: compute(0.05))
+    compute(0.2)  # evaluation: no step
+    with clock.step():
+        nested()
+        time.sleep(0.05)  # waiting for another stage
+    assert clock.idle() == pytest.approx(0.5, abs=0.15)
+    assert math.isnan(clock.idle())  # no step since
