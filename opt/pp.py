@@ -257,7 +257,7 @@ class Pipeline(nn.Module):
         schedule: ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B,
         config: GPTConfig,
         dist: Distributed,
-        tied: tuple[nn.Module | None, torch_dist.ProcessGroup | None],
+        tied: tuple[nn.Embedding | nn.Linear | None, torch_dist.ProcessGroup | None],
         batch_size: int,
         microbatches: int,
         clock: ComputeClock,
@@ -279,7 +279,7 @@ class Pipeline(nn.Module):
         self.dist, self.clock = dist, clock
         self.theory = bubble(dist.mesh["pp"].size(), microbatches, len(stages))
 
-    def tied(self) -> nn.Parameter | None:
+    def tied(self) -> torch.Tensor | None:
         """This rank's copy of the tied embedding/head weight (None between the two)."""
         return None if self.tied_module is None else self.tied_module.weight
 
@@ -400,7 +400,7 @@ def bubble(degree: int, microbatches: int, stages_per_rank: int = 1) -> float:
 
 def _tied_pair(
     model: GPT, dist: Distributed, first: bool, last: bool
-) -> tuple[nn.Module | None, torch_dist.ProcessGroup | None]:
+) -> tuple[nn.Embedding | nn.Linear | None, torch_dist.ProcessGroup | None]:
     """The module holding this rank's copy of the tied embedding/head weight (the first stage's
     embedding, the last stage's head; None in between) and the group of the two ranks holding
     it in this pipeline, where their gradients are summed. A collective: every rank makes every
