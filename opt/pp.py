@@ -80,7 +80,7 @@ def check_pp(cfg: DictConfig, *, batch_size: int, world_size: int, scale_loss: b
     _check_microbatches(pp, batch_size, stages)
     for refused, why in [
         (cfg.train.hellaswag, "train.hellaswag=true: HellaSwag scores the whole model on one "
-         "rank; score the run's checkpoint with scripts/evaluate.py"),
+         "rank; score the run's checkpoint with python -m tools.evaluate"),
         (scale_loss, "opt.amp.dtype=float16: the schedule runs backward itself, without the "
          "loss scaler; use opt.amp.dtype=bfloat16"),
     ]:  # fmt: skip

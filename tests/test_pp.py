@@ -14,11 +14,12 @@ from test_after_training import tool_cfg
 from test_distributed import _launch
 
 import opt
-from conftest import ROOT, TINY, load_script, logged, make_cfg, tiny_cfg
+from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg
 from model import GPT, GPTConfig
 from opt.pp import bubble, prune, stage_starts
 from recipe import checkpoint, distributed
 from recipe.distributed import Distributed
+from tools import consolidate_checkpoint, evaluate
 from train import build_optimizer, train
 
 # 4 blocks (interleaved: 2 stages on each of 2 ranks); a constant learning rate, so that a run
@@ -97,7 +98,7 @@ def test_compile_composes_per_block(runs) -> None:
 def test_a_pipeline_checkpoint_resumes_in_one_process_and_samples(runs, tmp_path) -> None:
     """Each stage wrote its own shard; one process resumed it (the same losses as the
     uninterrupted run), and the whole model loads from it under the full model's names, for
-    sample.py and scripts/evaluate.py (which gives the run's last val/loss)."""
+    sample.py and tools/evaluate.py (which gives the run's last val/loss)."""
     for run in ("1f1b", "on_one"):
         for key, values in _metrics(runs["single"]).items():
             torch.testing.assert_close(_metrics(runs[run])[key], values, rtol=RTOL[key], atol=0)
@@ -114,7 +115,7 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_and_samples(runs, tmp_path
     # Consolidated into one checkpoint.pt, it restores in one process (the optimizer too).
     copy = tmp_path / "run"
     shutil.copytree(runs["1f1b"], copy)
-    load_script("consolidate_checkpoint").consolidate(copy)
+    consolidate_checkpoint.consolidate(copy)
     state = checkpoint.read(copy)
     assert "sharded" not in state
     model = GPT(GPTConfig(**state["model_config"]))
@@ -122,7 +123,7 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_and_samples(runs, tmp_path
     checkpoint.restore(state, model, optimizer, torch.amp.GradScaler("cpu", enabled=False))
     assert len(optimizer.state) == len(list(model.parameters()))
     torch.testing.assert_close(model.state_dict(), loaded.state_dict())
-    evaluated = load_script("evaluate").evaluate_model(tool_cfg("evaluate", f"run={runs['1f1b']}"))
+    evaluated = evaluate.evaluate_model(tool_cfg("evaluate", f"run={runs['1f1b']}"))
     assert evaluated["val/loss"] == pytest.approx(logged(runs["1f1b"], "val/loss")[-1], rel=1e-5)
 
 
