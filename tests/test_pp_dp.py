@@ -1,8 +1,8 @@
-"""+opt=pp with data parallelism (issue 22): 4 processes as 2 pipelines of 2 stages, FSDP
-('+opt=[pp,fsdp]') or replicas (+opt=pp alone: FSDP2's replicate) over the mesh's dp dimension,
-each pipeline reading its half of the global batch, give one process's losses with that batch
-over 8 steps, and log the measured bubble; a pp x fsdp checkpoint (a DCP shard per stage and
-dp rank) resumes in one process. The planning rules, in this process."""
+"""+opt=pp with data parallelism (issue 22): 4 processes as 2 pipelines of 2 ranks, FSDP
+('+opt=[pp,fsdp]', 1f1b and interleaved) or replicas (+opt=pp alone: FSDP2's replicate) over the
+mesh's dp dimension, each pipeline reading its half of the global batch, give one process's
+losses with that batch over 8 steps, and log the measured bubble; a pp x fsdp checkpoint (a DCP
+shard per stage and dp rank) resumes in one process. The planning rules, in this process."""
 
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ RUN = (
 # little by Adam in the gradient norm (as in tests/test_tp.py).
 RTOL = {"train/loss": 1e-5, "val/loss": 1e-5, "train/grad_norm": 1e-3}
 GLOBAL, PER_PIPELINE = "train.batch_size=8", "train.batch_size=4"
+LAYOUTS = {  # 2 pipelines: each stage FSDP-sharded, or replicated; interleaved: 2 stages a rank
+    "fsdp": ["+opt=[pp,fsdp]"],
+    "ddp": ["+opt=pp"],
+    "fsdp_interleaved": ["+opt=[pp,fsdp]", "opt.pp.schedule=interleaved_1f1b",
+                         "opt.pp.stages_per_rank=2"],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +46,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One process with the global batch; pp=2 x fsdp=2 and pp=2 x 2 replicas on 4 processes;
     pp=2 x fsdp=2 stopped at step 4 and continued in one process."""
     root = tmp_path_factory.mktemp("pp_dp")
-    out = {name: root / name for name in ("single", "fsdp", "ddp", "fsdp_on_one")}
+    out = {name: root / name for name in ("single", *LAYOUTS, "fsdp_on_one")}
     train(tiny_cfg(*RUN, GLOBAL), out["single"], overrides=[*TINY, *RUN, GLOBAL])
-    for name, stages in (("fsdp", "+opt=[pp,fsdp]"), ("ddp", "+opt=pp")):
+    for name, stages in LAYOUTS.items():
         out[name].mkdir()
-        args = (*TINY, *RUN, stages, PER_PIPELINE, f"hydra.run.dir={out[name]}")
+        args = (*TINY, *RUN, *stages, PER_PIPELINE, f"hydra.run.dir={out[name]}")
         (out[name] / "stdout.txt").write_text(_torchrun(4, "train.py", *args))
     stopped = root / "stopped"
     _torchrun(4, "train.py", *TINY, *RUN, "+opt=[pp,fsdp]", PER_PIPELINE, "train.max_steps=4",
@@ -65,26 +71,27 @@ def _assert_same_run(run_dir: Path, reference: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["fsdp", "ddp"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_two_pipelines_match_one_process(runs, name: str) -> None:
     """The tied embedding/head gradient summed in each pipeline, the norm clipped over pp and
     dp, each pipeline's slice of the batch: the one process's losses and norms."""
     _assert_same_run(runs[name], runs["single"])
     stdout = (runs[name] / "stdout.txt").read_text()
-    assert "[opt] pp: 2 ranks x 1 stage(s)" in stdout
-    wrapped = "[opt] fsdp: 2 shards" if name == "fsdp" else "[opt] ddp: 2 replicas of each pipeline"
-    assert wrapped in stdout
+    assert f"[opt] pp: 2 ranks x {2 if 'interleaved' in name else 1} stage(s)" in stdout
+    fsdp = "fsdp" in name
+    assert ("[opt] fsdp: 2 shards" if fsdp else "[opt] ddp: 2 replicas of each pipeline") in stdout
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["fsdp", "ddp"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_the_measured_bubble_is_logged_beside_the_theory(runs, name: str) -> None:
     """Each log step's idle fraction of the ranks' steps (compute chunks vs the step's time),
-    and the summary's last one, beside the schedule's (p-1)/(m+p-1) = 1/5."""
+    and the summary's last one, beside the schedule's (p-1)/(v·m+p-1): 1/5, interleaved 1/9."""
     measured = logged(runs[name], "perf/pp_bubble")
     assert len(measured) == 8 and all(0 < idle < 1 for idle in measured)
-    assert logged(runs[name], "perf/pp_bubble_theory") == [pytest.approx(0.2)] * 8
+    theory = 1 / 9 if "interleaved" in name else 1 / 5
+    assert logged(runs[name], "perf/pp_bubble_theory") == [pytest.approx(theory)] * 8
     summary = json.loads((runs[name] / "summary.json").read_text())
     assert summary["perf/pp_bubble"] == measured[-1]
 
