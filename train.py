@@ -203,7 +203,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
             if step % t.log_interval == 0 or step == max_steps:
                 with meter.paused():  # the step times are read: waits for the GPU
                     metrics = train_metrics(meter, losses, lr, grad_norm, guard, scaler, step, dist)
-                    logger.log(metrics, step)
+                    logger.log(metrics | opt.stage_metrics(train_model), step)  # pp: the bubble
             val_loss = None  # this step's, when evaluated: keep_best's measure of a checkpoint
             if step % t.eval_interval == 0 or step == max_steps:
                 with meter.paused():

@@ -75,7 +75,7 @@ ORDER = tuple(stage.name for stage in STAGES)  # their names, in that order
 
 __all__ = [
     "ORDER", "STAGES", "Pipeline", "Plan", "apply_model_stages", "apply_optimizer_stages",
-    "check_resume", "clip_grad_norm_", "gradient_sync", "plan",
+    "check_resume", "clip_grad_norm_", "gradient_sync", "plan", "stage_metrics",
 ]  # fmt: skip
 
 
@@ -177,6 +177,12 @@ def clip_grad_norm_(
     if isinstance(grad_norm, DTensor):  # FSDP: the global norm, replicated on every rank
         grad_norm = grad_norm.full_tensor()
     return grad_norm
+
+
+def stage_metrics(train_model: torch.nn.Module) -> dict[str, float]:
+    """What the model stages measure of the steps since the last log step (every rank calls
+    it: a collective): +opt=pp's bubble, measured and in theory."""
+    return train_model.bubble_metrics() if isinstance(train_model, Pipeline) else {}
 
 
 def _check_knobs(stage: Stage, node: DictConfig) -> None:

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from opt.pp import Pipeline, data_parallel_roots
 from opt.stage import Context, Stage
 from recipe.distributed import Distributed, log
 from recipe.errors import ConfigError
@@ -41,12 +42,13 @@ def default_knobs() -> DictConfig:
 
 
 def apply_ddp(model: torch.nn.Module, cfg: DictConfig | None, dist: Distributed) -> torch.nn.Module:
-    """Wraps `model` in DDP with the knobs `cfg` (None: conf/opt/ddp.yaml's); under +opt=tp,
-    replicates it over the mesh's data-parallel dimension instead."""
+    """Wraps `model` in DDP with the knobs `cfg` (None: conf/opt/ddp.yaml's); under +opt=tp
+    or +opt=pp, replicates it (each pipeline stage) over the mesh's data-parallel dimension
+    instead."""
     cfg = default_knobs() if cfg is None else cfg
     check_ddp(cfg)
-    if dist.mesh is not None:  # +opt=tp: DTensor parameters, which DDP's reducer cannot take
-        return _replicate_dtensors(model, dist)
+    if dist.mesh is not None:  # tp: DTensor parameters, which DDP's reducer cannot take; pp:
+        return _replicate_on_mesh(model, dist)  # stages the schedule must find replicated
     # Read when compile first traces the model inside DDP's forward, i.e. after this.
     torch._dynamo.config.optimize_ddp = cfg.optimize_ddp
     ddp = DistributedDataParallel(
@@ -65,14 +67,17 @@ def apply_ddp(model: torch.nn.Module, cfg: DictConfig | None, dist: Distributed)
     return ddp
 
 
-def _replicate_dtensors(model: torch.nn.Module, dist: Distributed) -> torch.nn.Module:
-    """DDP's math for +opt=tp's DTensor parameters over the mesh's data-parallel dimension:
-    FSDP2's `replicate` (gradients all-reduced, no sharding); DDP's knobs do not apply."""
+def _replicate_on_mesh(model: torch.nn.Module, dist: Distributed) -> torch.nn.Module:
+    """DDP's math over the mesh's data-parallel dimension, for +opt=tp's DTensor parameters
+    and +opt=pp's stages: FSDP2's `replicate` (gradients all-reduced, no sharding), each
+    pipeline stage a root (data_parallel_roots); DDP's knobs do not apply."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     assert dist.mesh is not None
-    replicate(model, mesh=dist.mesh["dp"])
-    log(f"[opt] ddp: {dist.dp_size} replicas of each tp shard (FSDP2 replicate)")
+    for root in data_parallel_roots(model):
+        replicate(root, mesh=dist.mesh["dp"])
+    shard = "pipeline stage" if isinstance(model, Pipeline) else "tp shard"
+    log(f"[opt] ddp: {dist.dp_size} replicas of each {shard} (FSDP2 replicate)")
     return model
 
 
@@ -115,12 +120,13 @@ class Knobs:
 
 
 # The stages that spread the model themselves: no DDP wrapper then.
-SPREAD_OTHERWISE = ("fsdp", "offload", "pp")
+SPREAD_OTHERWISE = ("fsdp", "offload")
 
 
 def _apply(ctx: Context) -> torch.nn.Module | None:
     """Any run with several data-parallel replicas uses DDP, with +opt=ddp's knobs or
-    conf/opt/ddp.yaml's (a tp group alone needs none; FSDP, offload, pp spread it otherwise)."""
+    conf/opt/ddp.yaml's (a tp group or a pipeline alone needs none; FSDP and offload spread it
+    otherwise)."""
     if ctx.dist.dp_size < 2 or any(s in ctx.plan.stages for s in SPREAD_OTHERWISE):
         return None
     return apply_ddp(ctx.module, ctx.knobs, ctx.dist)

@@ -3,7 +3,8 @@ optimizer state are split over the processes, each holding about 1/W of them; a 
 parameters are all-gathered just before it runs and freed after, gradients are reduce-scattered.
 
 Each transformer block is its own unit (so only one block is unsharded at a time), then the root
-takes the embeddings and the head.
+takes the embeddings and the head; under +opt=pp each pipeline stage is a root, sharded over the
+data-parallel dimension of the mesh (several pipelines).
 
 With +opt=amp, `mixed_precision` chooses the math:
 - autocast (default): float32 parameters are all-gathered and autocast runs the matmuls in the
@@ -24,6 +25,7 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from opt.pp import data_parallel_roots
 from opt.stage import Context, Stage
 from recipe.distributed import Distributed, log
 
@@ -37,8 +39,13 @@ def pure_low_precision(cfg: DictConfig) -> bool:
 
 
 def apply_fsdp(
-    model: torch.nn.Module, cfg: DictConfig, dist: Distributed, amp_dtype: torch.dtype | None
+    model: torch.nn.Module,
+    cfg: DictConfig,
+    dist: Distributed,
+    amp_dtype: torch.dtype | None,
+    roots: list[torch.nn.Module] | None = None,
 ) -> torch.nn.Module:
+    """Shards `model`'s blocks, then each of `roots` (the model, or +opt=pp's stages)."""
     kwargs: dict[str, Any] = {}
     pure = pure_low_precision(cfg) and amp_dtype is not None
     if pure:
@@ -47,12 +54,13 @@ def apply_fsdp(
         )
     if cfg.cpu_offload:  # pinned host memory speeds up copies to a GPU (pinning needs one)
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda")
-    if dist.mesh is not None:  # +opt=tp: shard over the data-parallel dimension of its mesh
+    if dist.mesh is not None:  # +opt=tp, +opt=pp: shard over the mesh's data-parallel dimension
         kwargs["mesh"] = dist.mesh["dp"]
-    for block in model.transformer.h:
+    for block in model.transformer.h.children():  # a ModuleDict of this rank's blocks under pp
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     # The root's parameters (embeddings, final norm) are needed again at once by the tied head.
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+    for root in roots or [model]:
+        fully_shard(root, reshard_after_forward=False, **kwargs)
     precision = "float32" if amp_dtype is None else f"{amp_dtype} ({cfg.mixed_precision})"
     log(
         f"[opt] fsdp: {dist.dp_size} shards, reshard_after_forward={cfg.reshard_after_forward}"
@@ -72,8 +80,14 @@ def _plan(ctx: Context) -> None:
     ctx.plan.pure_low_precision = ctx.plan.amp_dtype is not None and pure_low_precision(ctx.knobs)
 
 
+def _apply(ctx: Context) -> torch.nn.Module:
+    """Shards the model, or under +opt=pp each stage of the pipeline (which it returns)."""
+    roots = data_parallel_roots(ctx.module)
+    apply_fsdp(ctx.model, ctx.knobs, ctx.dist, ctx.plan.amp_dtype, roots)
+    return ctx.module
+
+
 STAGE = Stage(
-    "fsdp", "model", lambda ctx: apply_fsdp(ctx.model, ctx.knobs, ctx.dist, ctx.plan.amp_dtype),
-    Knobs, plan=_plan,
+    "fsdp", "model", _apply, Knobs, plan=_plan,
     processes=("several", "launch with `torchrun --nproc_per_node=N train.py ...` (N >= 2)"),
 )  # fmt: skip

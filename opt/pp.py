@@ -11,13 +11,20 @@ Each rank keeps only its own part of the GPT (`prune`), under the full model's n
 to the token embedding, which live on the first and the last stage: the last stage trains its
 own copy, and the two gradients are summed over both before the step (`Pipeline`), so that
 both copies take the same update, the one the single process takes for the tied weight.
+
+With more processes than `opt.pp.degree`, the rest form the mesh's data-parallel dimension:
+several pipelines, each reading its slice of the global batch, and FSDP (+opt=fsdp) or DDP's
+replication (FSDP2's `replicate`, any other run) wrap each stage over that dimension
+(`data_parallel_roots`); the schedule reduces their gradients at the last micro-batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -31,12 +38,14 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
 from opt import stage
 from recipe.distributed import Distributed, log, mesh_shape
 from recipe.errors import ConfigError
 from recipe.knobs import count
+from recipe.metrics import StepTimer
 
 IGNORED = -100  # F.cross_entropy's ignore_index: the targets of evaluation's padding rows
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -50,11 +59,7 @@ SCHEDULES = {
 def check_pp(cfg: DictConfig, *, batch_size: int, world_size: int, scale_loss: bool) -> None:
     """Refuses what cannot run, in one line each, before any work starts (opt.plan calls it)."""
     pp = cfg.opt.pp
-    if mesh_shape(world_size, pp.degree, 1)[1] != 1:  # refuses a count that is no multiple too
-        raise ConfigError(
-            f"opt.pp.degree={pp.degree} on {world_size} processes: +opt=pp runs one pipeline (no "
-            f"data parallelism over several yet): launch torchrun --nproc_per_node={pp.degree}"
-        )
+    mesh_shape(world_size, pp.degree, 1)  # refuses a count that is no multiple of the degree
     interleaved = pp.schedule == "interleaved_1f1b"
     if interleaved != (pp.stages_per_rank >= 2) or pp.stages_per_rank < 1:
         raise ConfigError(
@@ -185,6 +190,56 @@ def prune(model: GPT, blocks: list[int], first: bool, last: bool) -> None:
         del t["ln_f"], model.lm_head
 
 
+class ComputeClock:
+    """This rank's time computing (its stages' forward and backward chunks, the loss) within
+    the training steps, and the steps' time: the rest of a step is its measured bubble, the
+    waits for other stages, the sends and receives and the schedule's own work. Evaluation's
+    chunks are not counted. CUDA events on a GPU, read at log steps (recipe/metrics.py)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.busy, self.wall = StepTimer(device), StepTimer(device)
+        self.measuring = False  # inside a training step
+
+    def time_chunks(self, stages: list[PipelineStage]) -> None:
+        """Times every forward and backward chunk the schedule runs on `stages`."""
+        for one in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(one, name, self.timed(getattr(one, name)))
+
+    def timed(self, compute: Callable[..., Any]) -> Callable[..., Any]:
+        """`compute`, its time inside a training step counted as busy."""
+
+        @functools.wraps(compute)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.measuring:  # outside a training step, or inside a timed call already
+                return compute(*args, **kwargs)
+            self.measuring = False
+            self.busy.start()
+            try:
+                return compute(*args, **kwargs)
+            finally:
+                self.busy.step()
+                self.measuring = True
+
+        return timed
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Around a training step: its time, and its compute counted."""
+        self.wall.start()
+        self.measuring = True
+        try:
+            yield
+        finally:
+            self.measuring = False
+            self.wall.step()
+
+    def idle(self) -> float:
+        """The idle fraction of the steps since the last call (NaN: none ran)."""
+        wall, busy = sum(self.wall.read_ms()), sum(self.busy.read_ms())
+        return 1 - busy / wall if wall else float("nan")
+
+
 class Pipeline(nn.Module):
     """This rank's stages and the schedule that runs them: the trainer's forward and backward
     over the micro-batches of a step (`forward_backward`), the global gradient norm and its
@@ -198,9 +253,10 @@ class Pipeline(nn.Module):
         schedule: ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B,
         config: GPTConfig,
         dist: Distributed,
-        tied: tuple[nn.Parameter | None, torch_dist.ProcessGroup | None],
+        tied: tuple[nn.Embedding | nn.Linear | None, torch_dist.ProcessGroup | None],
         batch_size: int,
         microbatches: int,
+        clock: ComputeClock,
     ) -> None:
         super().__init__()
         # The step's batch: the schedule's buffers have the shapes of its micro-batches.
@@ -210,18 +266,38 @@ class Pipeline(nn.Module):
         assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
         self.group = dist.mesh["pp"].get_group()
         self.last_rank = dist.mesh["pp"].size() - 1  # holds the last stage under every schedule
-        self.tied, self.tied_group = tied  # this rank's copy of the tied weight, and its pair
+        # The module holding this rank's copy of the tied weight, and its pair's group. The
+        # weight is read from it when used: FSDP and replicate replace the parameters.
+        self.tied_module, self.tied_group = tied
         # The last stage's copy: its gradient, once summed, is the first stage's too.
-        self.head_copy = self.tied if stages[-1].head is not None else None
+        self.holds_head_copy = self.tied_module is not None and stages[-1].head is not None
+        # The measured bubble (`clock`), and the theory's for comparison.
+        self.dist, self.clock = dist, clock
+        self.theory = bubble(dist.mesh["pp"].size(), microbatches, len(stages))
+
+    def tied(self) -> torch.Tensor | None:
+        """This rank's copy of the tied embedding/head weight (None between the two)."""
+        return None if self.tied_module is None else self.tied_module.weight
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One step's forward and backward through the schedule (gradients averaged over the
         micro-batches); returns the step's loss (the micro-batches' mean) on every rank."""
         losses: list[torch.Tensor] = []
-        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
-        if self.tied is not None and self.tied.grad is not None:  # the embedding's + the head's
-            torch_dist.all_reduce(self.tied.grad, group=self.tied_group)
+        with self.clock.step():
+            self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+        tied = self.tied()
+        if tied is not None and tied.grad is not None:  # the embedding's + the head's
+            torch_dist.all_reduce(_local(tied.grad), group=self.tied_group)  # same shards
         return self._broadcast(torch.stack(losses).mean() if losses else None)
+
+    def bubble_metrics(self) -> dict[str, float]:
+        """`perf/pp_bubble`: the idle fraction of the training steps since the last call, 1 -
+        compute time / step time, per rank, averaged over all ranks (a collective: every rank
+        calls it); `perf/pp_bubble_theory`: the schedule's (`bubble`), for comparison."""
+        return {
+            "perf/pp_bubble": statistics.fmean(self.dist.gather(self.clock.idle())),
+            "perf/pp_bubble_theory": self.theory,
+        }
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[None, torch.Tensor]:
         """The evaluation loss, as `GPT.forward` gives it (forward only, every rank). The
@@ -248,11 +324,15 @@ class Pipeline(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clips every stage's gradients by their global norm (squares summed over the
-        pipeline; the last stage's copy of the tied weight counted once, on the first);
-        returns that norm, the same on every rank."""
+        pipeline, and over the data-parallel shards under FSDP; the last stage's copy of the
+        tied weight counted once, on the first); returns that norm, the same on every rank."""
         params = [p for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in params if p is not self.head_copy and p.grad is not None]
-        square = torch.nn.utils.get_total_norm(counted).square()
+        head_copy = self.tied() if self.holds_head_copy else None
+        counted = [p.grad for p in params if p is not head_copy and p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(counted)
+        if isinstance(norm, DTensor):  # FSDP's shards: the norm over the dp dimension
+            norm = norm.full_tensor()
+        square = norm.square()
         torch_dist.all_reduce(square, group=self.group)
         norm = square.sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
@@ -285,6 +365,10 @@ def apply_pp(
         for stage, s in zip(stages, mine, strict=True)
     ]
 
+    clock = ComputeClock(dist.device)
+    clock.time_chunks(pipeline_stages)
+
+    @clock.timed  # the last stage's head and loss: compute outside its chunks' forward
     def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast():
             return model.head(hidden, targets)[1]  # type: ignore[return-value]  # given targets
@@ -299,7 +383,7 @@ def apply_pp(
         f"{cfg.schedule} over {cfg.microbatches} micro-batches, idle in theory "
         f"{bubble(degree, cfg.microbatches, cfg.stages_per_rank):.0%} of the step (the bubble)"
     )
-    return Pipeline(stages, schedule, model.config, dist, tied, batch_size, cfg.microbatches)
+    return Pipeline(stages, schedule, model.config, dist, tied, batch_size, cfg.microbatches, clock)
 
 
 def bubble(degree: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -312,21 +396,36 @@ def bubble(degree: int, microbatches: int, stages_per_rank: int = 1) -> float:
 
 def _tied_pair(
     model: GPT, dist: Distributed, first: bool, last: bool
-) -> tuple[nn.Parameter | None, torch_dist.ProcessGroup | None]:
-    """This rank's copy of the tied embedding/head weight (the first stage's embedding, the
-    last stage's head; None in between) and the group of those two ranks, where their
-    gradients are summed. A collective: every rank makes the group."""
+) -> tuple[nn.Embedding | nn.Linear | None, torch_dist.ProcessGroup | None]:
+    """The module holding this rank's copy of the tied embedding/head weight (the first stage's
+    embedding, the last stage's head; None in between) and the group of the two ranks holding
+    it in this pipeline, where their gradients are summed. A collective: every rank makes every
+    pipeline's pair (one per data-parallel rank)."""
     assert dist.mesh is not None
     if first and last:  # a pipeline of one rank: the weight is still tied
         return None, None
-    pp_ranks = dist.mesh["pp"].mesh.flatten().tolist()
-    pair = torch_dist.new_group([pp_ranks[0], pp_ranks[-1]])
+    ends = dist.mesh.mesh  # ranks as (pp, dp, tp): each pipeline's first and last stage
+    firsts, lasts = ends[0].flatten().tolist(), ends[-1].flatten().tolist()
+    pairs = [list(pair) for pair in zip(firsts, lasts, strict=True)]
+    pair, _ = torch_dist.new_subgroups_by_enumeration(pairs)
     t: Any = model.transformer
     if first:
-        return t.wte.weight, pair
+        return t.wte, pair
     if last:
-        return model.lm_head.weight, pair  # type: ignore[return-value]  # a Parameter
+        return model.lm_head, pair
     return None, None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP's), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def data_parallel_roots(module: nn.Module) -> list[nn.Module]:
+    """What a data-parallel wrapper (FSDP, replicate) wraps as its roots: each pipeline stage
+    (which the schedule finds wrapped, to reduce its gradients at the last micro-batch), or the
+    module itself outside a pipeline."""
+    return list(module.stages) if isinstance(module, Pipeline) else [module]
 
 
 @dataclass
@@ -351,14 +450,12 @@ def _apply(ctx: stage.Context) -> torch.nn.Module:
     return apply_pp(ctx.model, ctx.knobs, ctx.dist, lambda: plan.autocast(device), plan.batch_size)
 
 
-NOT_YET = "pipeline stages with data parallelism over several pipelines are not done yet"
 STAGE = stage.Stage(
     "pp", "model", _apply, Knobs, plan=_plan, check_resume=check_resume,
     conflicts={
         "accum": "opt.pp.microbatches is the pipeline's own gradient accumulation",
         "custom_op": "the fused head + loss has no ignored targets, which the pipeline's "
         "evaluation pads a short batch with",
-        "ddp": NOT_YET, "fsdp": NOT_YET,
         "offload": "offload runs in one process, pp over several",
         "opt_in_backward": "the pipeline's tied weights and global clipping need every "
         "gradient before the step",

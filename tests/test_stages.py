@@ -39,8 +39,7 @@ REFUSED = {
         ("offload", "fsdp"), ("offload", "ddp"), ("opt_in_backward", "accum"),
         ("opt_in_backward", "ddp"), ("opt_in_backward", "fsdp"), ("opt_in_backward", "offload"),
         ("tp", "custom_op"), ("tp", "offload"), ("tp", "opt_in_backward"),
-        ("pp", "accum"), ("pp", "custom_op"), ("pp", "ddp"), ("pp", "fsdp"), ("pp", "offload"),
-        ("pp", "opt_in_backward"),
+        ("pp", "accum"), ("pp", "custom_op"), ("pp", "offload"), ("pp", "opt_in_backward"),
         ("pp", "tp"),
     ]  # (opt_in_backward with amp: refused in float16 only, test_memory_stages; auto here: bf16)
 }  # fmt: skip
