@@ -96,11 +96,19 @@ def _speed_ratio(row: dict, ref: dict | None) -> str:
     commit: other rows may have run on another machine)."""
     if ref is None or row.get("tokens_per_sec") is None or not ref.get("tokens_per_sec"):
         return MISSING
-    text = f"{row['tokens_per_sec'] / ref['tokens_per_sec']:.2f}x"
+    if (
+        row.get("repeats", 1) > 1
+        and row.get("ratio_interval")
+        and row.get("ratio_vs") == ref.get("name")
+    ):
+        # The harness's own ratio: against `ref` re-measured in the row's call (its anchor).
+        text = f"{row['ratio']:.2f}x"
+    else:
+        text = f"{row['tokens_per_sec'] / ref['tokens_per_sec']:.2f}x"
+        if row.get("git_commit") != ref.get("git_commit"):
+            text += " (vs another call)"
     if row.get("within_noise"):
         text += " (within noise)"
-    if row.get("git_commit") != ref.get("git_commit"):
-        text += " (vs another call)"
     return text
 
 
