@@ -266,6 +266,27 @@ def correct_counts(
     return correct
 
 
+def summed_over_ranks(
+    score: Callable[..., torch.Tensor],
+    model: torch.nn.Module,
+    items: list[dict],
+    block_size: int,
+    dist: Distributed,
+    autocast: contextlib.AbstractContextManager | None,
+) -> torch.Tensor:
+    """`score`'s sums over `items`, each data-parallel rank scoring its share, summed over the
+    ranks (the ranks of a tensor-parallel group hold the same sums: counted once); every rank
+    must call it. HellaSwag's and LAMBADA's evaluations share it."""
+    total = score(
+        model, items, block_size=block_size, device=dist.device, rank=dist.dp_rank,
+        world_size=dist.dp_size, autocast=autocast,
+    ).to(dist.device)  # fmt: skip
+    if dist.enabled:
+        torch.distributed.all_reduce(total)  # a sum
+        total = total / (dist.world_size // dist.dp_size)  # each tp group's, from each rank
+    return total
+
+
 def evaluate(
     model: torch.nn.Module,
     items: list[dict],
@@ -276,12 +297,6 @@ def evaluate(
 ) -> dict[str, Any]:
     """The three accuracies over `items` (split over the ranks) and the item count; every rank
     must call it."""
-    correct = correct_counts(
-        model, items, block_size=block_size, device=dist.device, rank=dist.dp_rank,
-        world_size=dist.dp_size, autocast=autocast,
-    ).to(dist.device)  # fmt: skip
-    if dist.enabled:
-        torch.distributed.all_reduce(correct)  # a sum
-        correct //= dist.world_size // dist.dp_size  # each tp group's count, from each of its ranks
+    correct = summed_over_ranks(correct_counts, model, items, block_size, dist, autocast)
     accuracy = {c: n / len(items) for c, n in zip(CONVENTIONS, correct.tolist(), strict=True)}
     return accuracy | {"items": len(items)}

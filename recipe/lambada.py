@@ -38,6 +38,7 @@ from recipe.hellaswag import (
     read_jsonl,
     read_task_file,
     scored_continuations,
+    summed_over_ranks,
 )
 
 HUB = ("EleutherAI/lambada_openai", "default", "test")  # what lm-evaluation-harness reads
@@ -141,13 +142,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """Accuracy and perplexity over `items` (split over the ranks) and the item count; every rank
     must call it."""
-    total = sums(
-        model, items, block_size=block_size, device=dist.device, rank=dist.dp_rank,
-        world_size=dist.dp_size, autocast=autocast,
-    ).to(dist.device)  # fmt: skip
-    if dist.enabled:
-        torch.distributed.all_reduce(total)  # a sum
-        total /= dist.world_size // dist.dp_size  # each tp group's sums, from each of its ranks
+    total = summed_over_ranks(sums, model, items, block_size, dist, autocast)
     correct, loglikelihood = total.tolist()
     return {
         "acc": correct / len(items),

@@ -21,23 +21,19 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
+from test_custom_op import _knobs, _toy  # the same 2-layer GPT and knobs
 
 import opt
-from conftest import CONF, ROOT, load_script, logged, python, tiny_cfg
+from conftest import ROOT, load_script, logged, python, tiny_cfg
 from kernels import library_heads, linear_cross_entropy
-from model import GPT, GPTConfig
-from opt.custom_op import apply_custom_op, check_custom_op
+from model import GPT
+from opt.custom_op import check_custom_op
 from recipe.distributed import Distributed
 from recipe.errors import ConfigError
 from train import train
 
 SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 MODULES = {"liger": "liger_kernel.transformers.functional", "cce": "cut_cross_entropy"}
-
-
-def _knobs(**overrides):
-    return OmegaConf.merge(OmegaConf.load(CONF / "opt/custom_op.yaml").custom_op, overrides)
 
 
 # ---- fakes with the libraries' exact parameter lists (liger-kernel 0.8.5, cut-cross-entropy
@@ -88,15 +84,6 @@ def fake_libraries(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict]]:
 def _not_installed(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     """`import <module>` raises ImportError from now on, installed or not."""
     monkeypatch.setitem(sys.modules, MODULES[backend], None)
-
-
-def _toy(vocab_size: int = 60, **knobs) -> GPT:
-    """test_custom_op's 2-layer GPT: the padded vocabulary (64) has 4 padding rows."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=vocab_size))
-    if knobs:
-        apply_custom_op(model, _knobs(**knobs))
-    return model
 
 
 def _loss_and_grads(model: GPT, idx: torch.Tensor, targets: torch.Tensor):
