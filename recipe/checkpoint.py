@@ -381,14 +381,45 @@ def _map_strided(tree: Any, fn: Callable[[DTensor, Any], Any], like: Any = None)
 def _dcp_layout(tree: Any) -> Any:
     """`tree` with its strided DTensors replicated (gathered: saved once, in GPT-2's layout), so
     that DCP saves and loads them; `_own_layout` splits them back."""
-    return _map_strided(
-        tree, lambda t, _: t.redistribute(placements=[Replicate()] * t.device_mesh.ndim)
-    )
+    return _map_strided(tree, lambda t, _: _replicated(t))
 
 
 def _own_layout(tree: Any, like: Any) -> Any:
     """`tree` (loaded through `_dcp_layout`) with the placements of `like`, the model's own."""
-    return _map_strided(tree, lambda t, own: t.redistribute(placements=own.placements), like)
+    return _map_strided(tree, lambda t, own: _split_as(t, own), like)
+
+
+def _replicated(t: DTensor) -> DTensor:
+    """`t` gathered whole on every rank, one mesh dimension at a time from the outermost. Under
+    +opt=[tp,fsdp] FSDP shards each tp rank's strided rows again ((_StridedShard(0, sf=tp),
+    _StridedShard(0, sf=3)) over (dp, tp)); torch redistributes such a pair in one go, or by
+    `full_tensor()`, into rows in the wrong order (measured, torch 2.13), and dimension by
+    dimension right."""
+    placements = list(t.placements)
+    for dim in range(len(placements)):
+        placements[dim] = Replicate()
+        t = t.redistribute(placements=placements)
+    return t
+
+
+def _split_as(full: DTensor, own: DTensor) -> DTensor:
+    """`full` (replicated) laid out as `own`: this rank takes the rows that `_replicated` gathers
+    from it. torch's split into a strided pair is as wrong as its gather in one go, and the
+    rows' order is the pair's semantics: so each rank's row numbers are gathered, and read."""
+    mesh, rows = own.device_mesh, own.shape[0]
+    local_rows = own.to_local().shape[0]
+    first = mesh.get_rank() * rows  # unique row ids: rank * rows + the local row
+    ids = torch.arange(first, first + local_rows, device=own.device)
+    where = _replicated(
+        DTensor.from_local(ids, mesh, own.placements, shape=(rows,), stride=(1,), run_check=False)
+    ).to_local()  # global row -> the id of the rank's row that holds it
+    mine = ((where >= first) & (where < first + local_rows)).nonzero().flatten()
+    order = torch.empty_like(mine)
+    order[where[mine] - first] = mine  # local row i is global row order[i]
+    local = full.to_local().index_select(0, order.to(full.device))
+    return DTensor.from_local(
+        local, mesh, own.placements, shape=own.shape, stride=own.stride(), run_check=False
+    )
 
 
 def _load_sharded(
@@ -956,7 +987,9 @@ def restore(
     else:
         optim_state = state["optimizer"] if same_optimizer else None
         full = StateDictOptions(full_state_dict=True)
-        _set_state(model, optimizer, state["model"], optim_state, options=full)
+        strided = _whole_strided(model, state["model"], optim_state)  # before set_state_dict
+        _set_state(model, optimizer, state["model"], optim_state, options=full)  # changes them
+        _split_strided(model, optimizer, strided)
     if state["scaler"] and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
     rng = state["rng"][rank % len(state["rng"])]
@@ -964,6 +997,43 @@ def restore(
     if rng["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return state["step"]
+
+
+def _whole_strided(
+    model: torch.nn.Module, model_state: dict[str, Any], optim_state: dict[str, Any] | None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """A whole (one-process) checkpoint's tensors of the model's strided parameters: each
+    parameter's name -> {"param": its weight, and its optimizer state's tensors by key}."""
+    saved_state = optim_state["state"] if optim_state is not None else {}
+    return {
+        name: {"param": model_state[name], **saved_state.get(name, {})}
+        for name, param in model.named_parameters()
+        if _strided(param)
+    }
+
+
+def _split_strided(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    strided: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    """Puts the strided parameters of a whole checkpoint (`_whole_strided`), and their optimizer
+    state, in place again by `_split_as`: `set_state_dict` splits a whole tensor into a strided
+    pair (+opt=[tp,fsdp]) as wrongly as torch's one-go redistribute (`_replicated`)."""
+    params = dict(model.named_parameters())
+    for name, wholes in strided.items():
+        param = params[name]
+        owns = {"param": param, **optimizer.state.get(param, {})}
+        for key, whole in wholes.items():
+            own = owns.get(key)
+            if not _strided(own):  # the step count; or no optimizer state was loaded
+                continue
+            whole = DTensor.from_local(
+                whole.to(own.device, own.dtype), own.device_mesh,
+                [Replicate()] * own.device_mesh.ndim, run_check=False,
+            )  # fmt: skip
+            with torch.no_grad():
+                own.to_local().copy_(_split_as(whole, own).to_local())
 
 
 def _same_optimizer(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> bool:

@@ -65,9 +65,10 @@ def _assert_same_run(run_dir: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One process with the global batch; tp=2 on 2 processes; tp=2 x fsdp on 4; a tp=2
-    checkpoint at step 4 continued in one process, and one process's continued under tp=2."""
+    checkpoint at step 4 continued in one process, and one process's continued under tp=2 and
+    under tp=2 x fsdp."""
     root = tmp_path_factory.mktemp("tp")
-    names = ("single", "tp", "tp_fsdp", "tp_ddp", "tp_on_one", "one_on_tp")
+    names = ("single", "tp", "tp_fsdp", "tp_ddp", "tp_on_one", "one_on_tp", "one_on_tp_fsdp")
     out = {name: root / name for name in names}
     train(tiny_cfg(*RUN, "train.batch_size=4"), out["single"])
     run = ("train.py", *TINY, *RUN, "+opt=tp")
@@ -85,8 +86,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     train(on_one, out["tp_on_one"], overrides=list(resume_here))
     # one process to step 4, continued by tp=2 (the full state split as it loads)
     tiny_run(out["one_on_tp"], *RUN, "train.batch_size=4", "train.max_steps=4")
+    shutil.copytree(out["one_on_tp"], out["one_on_tp_fsdp"])
     resume = ("train.resume=true", "train.max_steps=8", "+opt=tp")
     _torchrun(2, "train.py", *resume, f"hydra.run.dir={out['one_on_tp']}")
+    _torchrun(4, "train.py", *resume[:2], "+opt=[tp,fsdp]", "train.batch_size=2",
+              f"hydra.run.dir={out['one_on_tp_fsdp']}")  # fmt: skip
     return out
 
 
@@ -100,30 +104,40 @@ def test_tp_matches_one_process_and_samples(runs) -> None:
     assert (runs["tp"] / "samples.txt").read_text().strip()  # generate ran on the DTensors
     step = runs["tp"] / "checkpoint.dcp" / (runs["tp"] / "checkpoint.dcp" / "LATEST").read_text()
     assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    # Read whole in one process (sample.py, export): the one-process run's weights, the fused
-    # QKV in GPT-2's row order although each rank held strided slices of it.
-    tp_model, _ = checkpoint.load_model(runs["tp"])
-    one_model, _ = checkpoint.load_model(runs["single"])
+    assert_holds_the_weights_of(runs["tp"], runs["single"])
+
+
+def assert_holds_the_weights_of(run_dir: Path, reference: Path) -> None:
+    """`run_dir`'s checkpoint, read whole in one process (sample.py, export), holds the
+    reference run's weights: the fused QKV in GPT-2's row order although each rank held strided
+    slices of it (under FSDP too: slices of slices)."""
+    loaded, _ = checkpoint.load_model(run_dir)
+    one_model, _ = checkpoint.load_model(reference)
     for name, weight in one_model.state_dict().items():  # weights ~0.02; a wrong row order
         # would be off by that much. Adam turns the rounding of near-zero gradients (rare
         # tokens' embedding rows) into up to a tenth of a step's lr (2e-3).
-        torch.testing.assert_close(tp_model.state_dict()[name], weight, rtol=1e-4, atol=2e-4)
+        torch.testing.assert_close(loaded.state_dict()[name], weight, rtol=1e-4, atol=2e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["tp_fsdp", "tp_ddp"])
 def test_tp_by_data_parallel_on_four_processes_matches_one_process(runs, name: str) -> None:
-    """A 2 x 2 dp x tp mesh: FSDP shards, or (no fsdp) replicas kept in step, over dp."""
+    """A 2 x 2 dp x tp mesh: FSDP shards, or (no fsdp) replicas kept in step, over dp; the
+    checkpoint read whole holds the one process's weights (FSDP's shards of the strided QKV
+    were gathered in the wrong row order before 2026-11-26)."""
     _assert_same_run(runs[name], runs["single"])
+    assert_holds_the_weights_of(runs[name], runs["single"])
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["tp_on_one", "one_on_tp"])
+@pytest.mark.parametrize("name", ["tp_on_one", "one_on_tp", "one_on_tp_fsdp"])
 def test_a_checkpoint_resumes_across_layouts(runs, name: str) -> None:
-    """tp=2 -> one process and one process -> tp=2, each at step 4: the uninterrupted run's
-    losses (weights, AdamW's state, the data position all carried over)."""
+    """tp=2 -> one process, one process -> tp=2 and -> tp=2 x fsdp, each at step 4: the
+    uninterrupted run's losses (weights, AdamW's state, the data position all carried over;
+    the whole QKV split into FSDP's shards of tp's strided slices by rows, not torch's
+    set_state_dict, which misplaced them)."""
     _assert_same_run(runs[name], runs["single"])
 
 
