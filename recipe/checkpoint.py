@@ -411,7 +411,9 @@ def _split_as(full: DTensor, own: DTensor) -> DTensor:
     first = mesh.get_rank() * rows  # unique row ids: rank * rows + the local row
     ids = torch.arange(first, first + local_rows, device=own.device)
     where = _replicated(
-        DTensor.from_local(ids, mesh, own.placements, shape=(rows,), stride=(1,), run_check=False)
+        DTensor.from_local(
+            ids, mesh, own.placements, shape=torch.Size([rows]), stride=(1,), run_check=False
+        )
     ).to_local()  # global row -> the id of the rank's row that holds it
     mine = ((where >= first) & (where < first + local_rows)).nonzero().flatten()
     order = torch.empty_like(mine)
@@ -1026,7 +1028,7 @@ def _split_strided(
         owns = {"param": param, **optimizer.state.get(param, {})}
         for key, whole in wholes.items():
             own = owns.get(key)
-            if not _strided(own):  # the step count; or no optimizer state was loaded
+            if not isinstance(own, DTensor) or not _strided(own):  # the step count; none
                 continue
             whole = DTensor.from_local(
                 whole.to(own.device, own.dtype), own.device_mesh,
