@@ -98,7 +98,8 @@ def train_step(
     Returns the sum of the micro-batch losses and the gradient norm, both left on the device
     (no sync)."""
     if isinstance(train_model, opt.Pipeline):  # the step's loss, the same on every stage
-        losses = train_model.forward_backward(inputs, targets)
+        with plan.loss_context():
+            losses = train_model.forward_backward(inputs, targets)
     else:
         losses = torch.zeros((), device=inputs.device)
         micro_batches = zip(

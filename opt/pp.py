@@ -16,6 +16,12 @@ With more processes than `opt.pp.degree`, the rest form the mesh's data-parallel
 several pipelines, each reading its slice of the global batch, and FSDP (+opt=fsdp) or DDP's
 replication (FSDP2's `replicate`, any other run) wrap each stage over that dimension
 (`data_parallel_roots`); the schedule reduces their gradients at the last micro-batch.
+
+With +opt=tp (applied before this stage) every stage's blocks are split over the mesh's tp
+dimension, and each tp rank runs its own pipeline over its parts: a pp x dp x tp mesh. A stage
+sends the next one its tp rank's part of the residual stream as a plain tensor (opt/tp.py's
+`ResidualStream`), and the loss is computed on vocabulary shards under the trainer's
+`Plan.loss_context`, as without pipelining.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
 from opt import stage
+from opt.tp import ResidualStream, plain, residual_stream
 from recipe.distributed import Distributed, log, mesh_shape
 from recipe.errors import ConfigError
 from recipe.knobs import count
@@ -56,10 +63,12 @@ SCHEDULES = {
 }
 
 
-def check_pp(cfg: DictConfig, *, batch_size: int, world_size: int, scale_loss: bool) -> None:
+def check_pp(
+    cfg: DictConfig, *, batch_size: int, world_size: int, scale_loss: bool, tp_degree: int = 1
+) -> None:
     """Refuses what cannot run, in one line each, before any work starts (opt.plan calls it)."""
     pp = cfg.opt.pp
-    mesh_shape(world_size, pp.degree, 1)  # refuses a count that is no multiple of the degree
+    mesh_shape(world_size, pp.degree, tp_degree)  # refuses a count the degrees do not divide
     interleaved = pp.schedule == "interleaved_1f1b"
     if interleaved != (pp.stages_per_rank >= 2) or pp.stages_per_rank < 1:
         raise ConfigError(
@@ -153,13 +162,21 @@ Autocast = Callable[[], contextlib.AbstractContextManager]
 class Stage(nn.Module):
     """One pipeline stage: the embeddings (first stage), its blocks in order. It holds exactly
     its parameters (the schedule scales their gradients); the last stage also holds the final
-    norm and the head, which the schedule's loss function runs (`GPT.head`)."""
+    norm and the head, which the schedule's loss function runs (`GPT.head`). Under +opt=tp its
+    blocks compute on DTensors, and it sends and receives its tp rank's part of the residual
+    stream as a plain tensor (`stream`)."""
 
     def __init__(
-        self, model: GPT, blocks: range, first: bool, last: bool, autocast: Autocast
+        self,
+        model: GPT,
+        blocks: range,
+        first: bool,
+        last: bool,
+        autocast: Autocast,
+        stream: ResidualStream | None = None,
     ) -> None:
         super().__init__()
-        self.autocast = autocast
+        self.autocast, self.stream = autocast, stream
         t: Any = model.transformer
         self.blocks = nn.ModuleList(t.h[str(i)] for i in blocks)
         self.embeddings = nn.ModuleList([t.wte, t.wpe]) if first else None
@@ -170,9 +187,11 @@ class Stage(nn.Module):
         with self.autocast():
             if self.embeddings is not None:
                 x = self.embed(x)
+            elif self.stream is not None:
+                x = self.stream.distributed(x)
             for block in self.blocks:
                 x = block(x)
-        return x
+        return x if self.stream is None else self.stream.local(x)
 
 
 def prune(model: GPT, blocks: list[int], first: bool, last: bool) -> None:
@@ -287,6 +306,7 @@ class Pipeline(nn.Module):
             self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
         tied = self.tied()
         if tied is not None and tied.grad is not None:  # the embedding's + the head's
+            tied.grad = _laid_out_as(tied.grad, tied)
             torch_dist.all_reduce(_local(tied.grad), group=self.tied_group)  # same shards
         return self._broadcast(torch.stack(losses).mean() if losses else None)
 
@@ -343,10 +363,16 @@ def apply_pp(
     model: GPT,
     cfg: DictConfig,
     dist: Distributed,
-    autocast: Autocast,
-    batch_size: int,
+    plan: stage.Plan,
 ) -> Pipeline:
-    """Splits `model` (pruned in place to this rank's stages) into a pipeline; returns it."""
+    """Splits `model` (pruned in place to this rank's stages) into a pipeline; returns it.
+    Under +opt=tp (applied before: its blocks are split over the mesh's tp dimension already)
+    each tp rank runs its part of every stage, and its own pipeline carries that part."""
+
+    def autocast() -> contextlib.AbstractContextManager:
+        return plan.autocast(dist.device)
+
+    stream = residual_stream(dist, plan.tp_sequence_parallel) if plan.tp_degree > 1 else None
     assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
     rank, degree = dist.mesh["pp"].get_local_rank(), cfg.degree
     n_stages = degree * cfg.stages_per_rank
@@ -357,7 +383,7 @@ def apply_pp(
     prune(model, blocks, first, last)
     group = dist.mesh["pp"].get_group()
     stages = [
-        Stage(model, range(starts[s], starts[s + 1]), s == 0, s == n_stages - 1, autocast)
+        Stage(model, range(starts[s], starts[s + 1]), s == 0, s == n_stages - 1, autocast, stream)
         for s in mine
     ]
     pipeline_stages = [
@@ -370,8 +396,10 @@ def apply_pp(
 
     @clock.timed  # the last stage's head and loss: compute outside its chunks' forward
     def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if stream is not None:  # as +opt=tp's hooks give GPT.forward its inputs and output
+            hidden, targets = stream.distributed(hidden), stream.targets(targets)
         with autocast():
-            return model.head(hidden, targets)[1]  # type: ignore[return-value]  # given targets
+            return plain(model.head(hidden, targets)[1])  # given targets: the loss
 
     schedule_class = SCHEDULES[cfg.schedule]
     held = pipeline_stages if schedule_class is ScheduleInterleaved1F1B else pipeline_stages[0]
@@ -383,7 +411,9 @@ def apply_pp(
         f"{cfg.schedule} over {cfg.microbatches} micro-batches, idle in theory "
         f"{bubble(degree, cfg.microbatches, cfg.stages_per_rank):.0%} of the step (the bubble)"
     )
-    return Pipeline(stages, schedule, model.config, dist, tied, batch_size, cfg.microbatches, clock)
+    return Pipeline(
+        stages, schedule, model.config, dist, tied, plan.batch_size, cfg.microbatches, clock
+    )
 
 
 def bubble(degree: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -416,6 +446,17 @@ def _tied_pair(
     return None, None
 
 
+def _laid_out_as(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`grad` in `param`'s DTensor layout: under +opt=tp the embedding's backward gives the
+    whole gradient of its vocabulary-split weight on every tp rank (Replicate), the head's copy
+    its rank's rows (Shard(0)); the pair sums the same rows."""
+    if not isinstance(grad, DTensor) or not isinstance(param, DTensor):
+        return grad
+    if grad.placements == param.placements:
+        return grad
+    return grad.redistribute(placements=param.placements)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP's), or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -439,15 +480,15 @@ class Knobs:
 
 def _plan(ctx: stage.Context) -> None:
     p = ctx.plan
+    # +opt=tp's plan ran first (ORDER): its degree is known.
     check_pp(ctx.cfg, batch_size=p.batch_size, world_size=ctx.dist.world_size,
-             scale_loss=p.scale_loss)  # fmt: skip
+             scale_loss=p.scale_loss, tp_degree=p.tp_degree)  # fmt: skip
     p.pp_degree = ctx.knobs.degree
 
 
 def _apply(ctx: stage.Context) -> torch.nn.Module:
     """Each rank keeps its stages of the model; the pipeline runs them."""
-    plan, device = ctx.plan, ctx.dist.device
-    return apply_pp(ctx.model, ctx.knobs, ctx.dist, lambda: plan.autocast(device), plan.batch_size)
+    return apply_pp(ctx.model, ctx.knobs, ctx.dist, ctx.plan)
 
 
 STAGE = stage.Stage(

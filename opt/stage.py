@@ -56,6 +56,7 @@ class Plan:
     optimizer_kwargs: dict = field(default_factory=dict)
     tp_degree: int = 1  # +opt=tp: ranks per tensor-parallel group (Distributed.with_mesh)
     vocab_parallel_loss: bool = False  # +opt=tp's loss_parallel: see loss_context
+    tp_sequence_parallel: bool = False  # +opt=tp: the residual stream split over the sequence
     pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
     step_in_backward: bool = False  # opt_in_backward: each parameter steps from its grad hook
 

@@ -103,28 +103,63 @@ def _positions_as_dtensor(module: nn.Module, inputs: tuple, mesh: DeviceMesh) ->
     return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs)
 
 
+def replicated(t: Any, mesh: DeviceMesh) -> Any:
+    """A plain tensor `t` as a replicated DTensor on `mesh` (the loss on vocabulary-split logits
+    needs its targets so; the whole batch's targets are on every rank of the group)."""
+    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+        return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+    return t
+
+
+def plain(t: Any) -> Any:
+    """The model's logits or loss as a plain tensor, the same on every rank of the group."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _replicated_targets(mesh: DeviceMesh) -> Any:
-    """A forward pre-hook: the targets as a replicated DTensor, as the loss on vocabulary-split
-    logits needs them (the whole batch's targets are on every rank of the group)."""
+    """A forward pre-hook: the model's targets as a replicated DTensor (`replicated`)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        def replicated(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-                return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-            return t
-
         if len(args) > 1:
-            args = (args[0], replicated(args[1]), *args[2:])
+            args = (args[0], replicated(args[1], mesh), *args[2:])
         if "targets" in kwargs:
-            kwargs = {**kwargs, "targets": replicated(kwargs["targets"])}
+            kwargs = {**kwargs, "targets": replicated(kwargs["targets"], mesh)}
         return args, kwargs
 
     return hook
 
 
 def _plain_outputs(module: nn.Module, inputs: Any, outputs: tuple) -> tuple:
-    """The model's logits or loss as plain tensors, the same on every rank of the group."""
-    return tuple(o.full_tensor() if isinstance(o, DTensor) else o for o in outputs)
+    return tuple(plain(o) for o in outputs)
+
+
+@dataclass(frozen=True)
+class ResidualStream:
+    """How the residual stream between blocks is laid out over a tp group: split over the
+    sequence (sequence_parallel) or whole on every rank. A pipeline stage under +opt=tp sends
+    the next stage (the same tp rank of the next pipeline rank) its rank's local part as a plain
+    tensor, and the receiver rebuilds the DTensor: the schedule's buffers and shape inference
+    know plain tensors only, and each pair of tp ranks exchanges exactly its own part."""
+
+    mesh: DeviceMesh  # the tp dimension
+    placement: Shard | Replicate
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """What a stage sends: this rank's part (its gradient comes back as the same part)."""
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    def distributed(self, x: torch.Tensor) -> DTensor:
+        """What a stage receives, as the DTensor the blocks take."""
+        return DTensor.from_local(x, self.mesh, [self.placement], run_check=False)
+
+    def targets(self, t: torch.Tensor) -> Any:
+        return replicated(t, self.mesh)
+
+
+def residual_stream(dist: Distributed, sequence_parallel: bool) -> ResidualStream:
+    """The layout `apply_tp` gives the residual stream (Shard(1): over the sequence)."""
+    assert dist.mesh is not None, "opt.plan's mesh (Distributed.with_mesh) comes first"
+    return ResidualStream(dist.mesh["tp"], Shard(1) if sequence_parallel else Replicate())
 
 
 def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
@@ -134,7 +169,7 @@ def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
     assert dist.mesh is not None, "opt.plan's mesh (Distributed.with_mesh) comes first"
     mesh = dist.mesh["tp"]
     # The residual stream between the sub-layers: split over the sequence, or whole.
-    residual = Shard(1) if cfg.sequence_parallel else Replicate()
+    residual = residual_stream(dist, cfg.sequence_parallel).placement
 
     def norm(module: nn.Module) -> None:
         if cfg.sequence_parallel:
@@ -201,6 +236,7 @@ def _plan(ctx: Context) -> None:
                       pad_vocab_to=m.pad_vocab_to)  # fmt: skip
     check_tp_model(degree, shape)
     ctx.plan.tp_degree, ctx.plan.vocab_parallel_loss = degree, ctx.knobs.loss_parallel
+    ctx.plan.tp_sequence_parallel = ctx.knobs.sequence_parallel
 
 
 STAGE = Stage(
@@ -210,7 +246,6 @@ STAGE = Stage(
         "offload": "offload runs in one process, tp over several",
         "opt_in_backward": "each parameter would step before its gradient is reduced over the "
         "tensor-parallel ranks",
-        "pp": "pipeline x tensor-parallel meshes are not done yet",
     },
     processes=("several", "launch with `torchrun --nproc_per_node=N train.py ...` (N a "
                "multiple of opt.tp.degree)"),

@@ -121,13 +121,15 @@ def test_several_pipelines_are_planned_with_fsdp_or_replicas() -> None:
     assert _plan(4, "+opt=[pp,fsdp]").stages == ["pp", "fsdp"]
     assert _plan(4, "+opt=[pp,ddp]").pp_degree == 2
     assert _plan(8, "+opt=pp", "opt.pp.degree=4").pp_degree == 4
+    pp_tp = _plan(8, "+opt=[pp,tp,fsdp]")  # a 2 x 2 x 2 pp x dp x tp mesh
+    assert (pp_tp.pp_degree, pp_tp.tp_degree, pp_tp.tp_sequence_parallel) == (2, 2, True)
 
 
 @pytest.mark.parametrize(
     "world, overrides, message",
     [
         (3, ["+opt=pp"], "3 processes cannot form 2 pipeline stage\\(s\\)"),
-        (4, ["+opt=[pp,tp]"], "\\+opt=tp and \\+opt=pp: pipeline x tensor-parallel"),
+        (6, ["+opt=[pp,tp]"], "6 processes cannot form 2 pipeline stage\\(s\\) x 2 tensor"),
         (4, ["+opt=[pp,fsdp,ddp]"], "\\+opt=ddp and \\+opt=fsdp: two ways"),
     ],
 )
