@@ -120,6 +120,54 @@ def test_every_documented_command_quotes_its_hydra_lists_for_zsh(path: Path) -> 
     assert not bad, f"{path.name}: quote these for zsh ('+opt=[a,b]'): {bad}"
 
 
+def _documented_runs() -> list[tuple[str, int, list[str]]]:
+    """Each documented `python train.py` / `torchrun ... train.py` run that starts a new job
+    (not a sweep, a resume, a placeholder or a continued line): (command, processes,
+    overrides)."""
+    runs = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for command in readme_commands(path.read_text()):
+            if "train.py" not in command or command.rstrip().endswith("\\"):  # continued
+                continue
+            words = shlex.split(command, comments=True)
+            if "train.py" not in words or words[0] not in ("python", "torchrun"):
+                continue
+            skip = ("-m", "--help", "--cfg", "...")
+            starts = ("$", "train.resume", "model.pretrained")  # a run folder, weights from the hub
+            if any(w in skip or w.startswith(starts) or "<" in w for w in words):
+                continue
+            flags = dict(
+                w.lstrip("-").split("=", 1) for w in words if w.startswith("--") and "=" in w
+            )
+            processes = int(flags.get("nproc_per_node", 1)) * int(flags.get("nnodes", 1))
+            runs.append((command, processes, words[words.index("train.py") + 1 :]))
+    return runs
+
+
+@pytest.mark.parametrize(
+    "command, processes, overrides",
+    _documented_runs(),
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_every_documented_run_is_planned_on_its_process_count(
+    command: str, processes: int, overrides: list[str]
+) -> None:
+    """The stages of each documented run accept its model and process count (the README once
+    showed +opt=tp on GPT-2 XL, whose 25 heads do not split over 2 ranks)."""
+    import warnings
+
+    import torch
+
+    import opt
+    from conftest import make_cfg
+    from recipe.distributed import Distributed
+
+    world = Distributed(rank=0, local_rank=0, world_size=processes, device=torch.device("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. float16 on a CPU
+        opt.plan(make_cfg(*overrides), world)
+
+
 def test_the_readme_sweep_example_is_small() -> None:
     sweeps = [c for c in readme_commands((ROOT / "README.md").read_text()) if "train.py -m " in c]
     assert sweeps and all("train.max_steps=" in c for c in sweeps), sweeps
