@@ -112,6 +112,9 @@ def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
         (["nproc=0"], "nproc=0"),
         (["--fit"], "budget=22GiB"),
         (["--jsn"], "unknown flag"),
+        # Not modelled: refused rather than planned as DDP (which it once was, silently).
+        (["model=gpt2-large", "+opt=[tp,amp]", "nproc=2"], "+opt=tp is not planned yet"),
+        (["+opt=[pp,fsdp]", "nproc=4"], "+opt=pp is not planned yet"),
     ],
 )
 def test_a_bad_override_is_refused_in_one_line(args: list[str], expected: str) -> None:
