@@ -108,7 +108,7 @@ def _batched_grad_copy(enabled: bool) -> dict[str, Any]:
 
 @dataclass
 class Knobs:
-    bucket_cap_mb: Annotated[float, positive()]
+    bucket_cap_mb: Annotated[float, positive()] | None  # None: PyTorch's default
     gradient_as_bucket_view: bool
     batched_grad_copy: bool
     static_graph: bool

@@ -104,6 +104,13 @@ NUMBERS = (
 )
 
 
+def strategy(stages: list[str], gpus: int) -> str:
+    """How a step spreads over its GPUs: the model-splitting and sharding stages it runs
+    ("pp x tp x fsdp"), else "ddp" on several GPUs (the default there), "single" on one."""
+    spread = [s for s in ("pp", "tp", "fsdp") if s in stages]
+    return " x ".join(spread) if spread else "ddp" if gpus > 1 else "single"
+
+
 def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
     """What each step runs: its stages and overrides (after the workload's), accumulated when the
     ladder is cumulative, less the stages it drops, and its processes."""
@@ -128,11 +135,7 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
                 "nproc": nproc,
                 "nnodes": nnodes,
                 "gpus": nproc * nnodes,
-                "strategy": "fsdp"
-                if "fsdp" in stages
-                else "ddp"
-                if nproc * nnodes > 1
-                else "single",
+                "strategy": strategy(stages, nproc * nnodes),
                 **({"memory_cap_gib": cap} if cap else {}),
             }
         )
@@ -574,14 +577,15 @@ def _tokens_cell(row: dict) -> str:
 
 def with_efficiency(rows: list[dict]) -> list[dict]:
     """Sets each row's per-GPU `efficiency`: its tokens/s over `gpus` times those of the nearest
-    1-GPU row above it that ran (`efficiency_vs`), the same workload on one GPU of this host;
-    1.0 for a 1-GPU row that ran; None where there is nothing to compare."""
+    1-GPU row above it (`efficiency_vs`), the same workload on one GPU of this host; 1.0 for a
+    1-GPU row that ran; None where there is nothing to compare, also below a 1-GPU row that did
+    not run (out of memory, say): the 1-GPU rows above it are another workload's."""
     reference = None
     for row in rows:
         gpus = row.setdefault("gpus", row.get("nproc", 1))
         ran = row["status"] == "ok" and row.get("tokens_per_sec")
-        if gpus == 1 and ran:
-            reference = row
+        if gpus == 1:
+            reference = row if ran else None
         ref_tps = reference["tokens_per_sec"] if reference else None
         row["efficiency"] = (
             round(row["tokens_per_sec"] / (gpus * ref_tps), 4) if ran and ref_tps else None

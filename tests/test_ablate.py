@@ -40,6 +40,30 @@ def test_every_ladder_composes_into_valid_train_configs(name: str) -> None:
         assert list(cfg.opt) == plan["stages"]
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ablate.CONF / "ladder").glob("*.yaml")))
+def test_every_ladder_step_is_planned_on_its_process_count(name: str) -> None:
+    """Each step's stages accept its model and its GPUs (a tp degree that splits the heads, a
+    process count that pp x tp divides, micro-batches that divide the batch)."""
+    import warnings
+
+    import torch
+
+    import opt
+    from conftest import make_cfg
+    from recipe.distributed import Distributed
+
+    ladder = _ladder(name)
+    for plan in ablate.step_plans(ladder):
+        stages = [f"+opt=[{','.join(plan['stages'])}]"] if plan["stages"] else []
+        cfg = make_cfg(*ladder.workload, *stages, *plan["overrides"])
+        world = Distributed(
+            rank=0, local_rank=0, world_size=plan["gpus"], device=torch.device("cpu")
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. +opt=ddp's "no effect in one process"
+            opt.plan(cfg, world)
+
+
 def test_cumulative_ladders_keep_earlier_steps() -> None:
     plans = ablate.step_plans(_ladder("speed"))
     assert plans[0]["stages"] == [] and plans[1]["stages"] == ["bs"]
@@ -103,6 +127,14 @@ def test_multi_process_steps_and_base_stages() -> None:
     strategies = {name: p["strategy"] for name, p in plans.items()}
     assert strategies["one_gpu"] == "single" and strategies["two_nodes"] == "ddp"
     assert strategies["fsdp_pure"] == "fsdp"
+    # Model-level parallelism (issue 22): the model split, at equal tokens a step
+    assert strategies["xl_pp4"] == "pp" and strategies["b4_tp2_fsdp2"] == "tp x fsdp"
+    assert strategies["b4_pp2_tp2"] == "pp x tp" and plans["b4_pp2_tp2"]["gpus"] == 4
+    assert plans["b4_tp4"]["overrides"] == [
+        "model=gpt2-4b",
+        "train.batch_size=16",
+        "opt.tp.degree=4",
+    ]
     speed = ablate.step_plans(_ladder("speed"))
     assert [(p["name"], p["gpus"]) for p in speed[-2:]] == [("ddp", 2), ("multi_node", 2)]
 
@@ -179,10 +211,13 @@ def test_per_gpu_efficiency_is_against_the_nearest_one_gpu_row() -> None:
         {"name": "c", "gpus": 1, "status": "ok", "tokens_per_sec": 200.0},
         {"name": "fsdp", "gpus": 2, "status": "ok", "tokens_per_sec": 300.0},
         {"name": "oom", "gpus": 2, "status": "oom", "tokens_per_sec": None},
+        # Another workload whose 1-GPU row does not fit: "c" is no reference for it.
+        {"name": "big", "gpus": 1, "status": "oom", "tokens_per_sec": None},
+        {"name": "big_tp", "gpus": 2, "status": "ok", "tokens_per_sec": 50.0},
     ]
     done = ablate.with_efficiency(rows)
-    assert [r["efficiency"] for r in done] == [1.0, 0.95, None, 1.0, 0.75, None]
-    assert [r["efficiency_vs"] for r in done] == ["a", "a", None, "c", "c", None]
+    assert [r["efficiency"] for r in done] == [1.0, 0.95, None, 1.0, 0.75, None, None, None]
+    assert [r["efficiency_vs"] for r in done] == ["a", "a", None, "c", "c", None, None, None]
 
 
 def _run_steps(tmp_path, steps: list[dict], timeout_s: int = 600) -> tuple[list[dict], Path]:

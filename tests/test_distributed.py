@@ -350,6 +350,7 @@ def _forward_backward(ddp, steps: int = 2) -> None:
 
 def test_ddp_knobs_reach_ddp_and_act(group_of_one) -> None:
     assert _ddp(group_of_one, bucket_cap_mb=50).bucket_bytes_cap == 50 * 2**20
+    assert _ddp(group_of_one, bucket_cap_mb=None).bucket_bytes_cap == 25 * 2**20  # PyTorch's
     assert _ddp(group_of_one, static_graph=True).static_graph
     if "batched_grad_copy" in opt.ddp._DDP_ARGS:  # torch >= 2.13
         assert _ddp(group_of_one, batched_grad_copy=True).batched_grad_copy
