@@ -132,7 +132,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
-    dist = dist.with_mesh(pp=plan.pp_degree, tp=plan.tp_degree)  # +opt=pp, +opt=tp: a mesh
+    dist = dist.with_mesh(plan.pp_degree, plan.tp_degree, plan.dp_replicas)  # pp, tp, HSDP
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
     run = RunState.start(run_dir, cfg)  # step 0, or the checkpoint's: config and corpus checked
     opt.check_resume(plan, saved_stages=run.stages if cfg.train.resume else None)

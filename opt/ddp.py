@@ -75,7 +75,7 @@ def _replicate_on_mesh(model: torch.nn.Module, dist: Distributed) -> torch.nn.Mo
 
     assert dist.mesh is not None
     for root in data_parallel_roots(model):
-        replicate(root, mesh=dist.mesh["dp"])
+        replicate(root, mesh=dist.dp_mesh)
     shard = "pipeline stage" if isinstance(model, Pipeline) else "tp shard"
     log(f"[opt] ddp: {dist.dp_size} replicas of each {shard} (FSDP2 replicate)")
     return model

@@ -19,7 +19,7 @@ Gradients are reduced in float32 either way.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from omegaconf import DictConfig
@@ -27,7 +27,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from opt.pp import data_parallel_roots
 from opt.stage import Context, Stage
-from recipe.distributed import Distributed, log
+from recipe.distributed import Distributed, hsdp_shards, log, mesh_shape
+from recipe.knobs import count
 
 MixedPrecision = Literal["autocast", "pure"]
 
@@ -54,16 +55,18 @@ def apply_fsdp(
         )
     if cfg.cpu_offload:  # pinned host memory speeds up copies to a GPU (pinning needs one)
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda")
-    if dist.mesh is not None:  # +opt=tp, +opt=pp: shard over the mesh's data-parallel dimension
-        kwargs["mesh"] = dist.mesh["dp"]
+    if dist.mesh is not None:  # +opt=tp, +opt=pp, HSDP: over the mesh's data-parallel dims
+        kwargs["mesh"] = dist.shard_mesh
     for block in model.transformer.h.children():  # a ModuleDict of this rank's blocks under pp
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     # The root's parameters (embeddings, final norm) are needed again at once by the tied head.
     for root in roots or [model]:
         fully_shard(root, reshard_after_forward=False, **kwargs)
     precision = "float32" if amp_dtype is None else f"{amp_dtype} ({cfg.mixed_precision})"
+    shards = dist.dp_size // cfg.replicas
+    layout = f"{cfg.replicas} replicas x {shards}" if cfg.replicas > 1 else f"{shards}"
     log(
-        f"[opt] fsdp: {dist.dp_size} shards, reshard_after_forward={cfg.reshard_after_forward}"
+        f"[opt] fsdp: {layout} shards, reshard_after_forward={cfg.reshard_after_forward}"
         f", cpu_offload={cfg.cpu_offload}, compute in {precision}"
     )
     return model
@@ -74,10 +77,17 @@ class Knobs:
     reshard_after_forward: bool
     cpu_offload: bool
     mixed_precision: MixedPrecision
+    replicas: Annotated[int, count(1)]  # HSDP: replicas of the model, each sharded (1: FSDP)
 
 
 def _plan(ctx: Context) -> None:
-    ctx.plan.pure_low_precision = ctx.plan.amp_dtype is not None and pure_low_precision(ctx.knobs)
+    """The precision FSDP casts to, and HSDP's replicas (checked against the processes the
+    model-splitting stages, planned before, leave to data parallelism)."""
+    p = ctx.plan
+    p.pure_low_precision = p.amp_dtype is not None and pure_low_precision(ctx.knobs)
+    dp_size = mesh_shape(ctx.dist.world_size, p.pp_degree, p.tp_degree)[1]
+    hsdp_shards(dp_size, ctx.knobs.replicas)
+    p.dp_replicas = ctx.knobs.replicas
 
 
 def _apply(ctx: Context) -> torch.nn.Module:

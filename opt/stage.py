@@ -58,6 +58,7 @@ class Plan:
     vocab_parallel_loss: bool = False  # +opt=tp's loss_parallel: see loss_context
     tp_sequence_parallel: bool = False  # +opt=tp: the residual stream split over the sequence
     pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
+    dp_replicas: int = 1  # +opt=fsdp's replicas: HSDP (Distributed.with_mesh)
     step_in_backward: bool = False  # opt_in_backward: each parameter steps from its grad hook
 
     @property

@@ -48,8 +48,11 @@ def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
 
 # The mesh's dimensions, outermost first: pipeline stages, data-parallel replicas or shards,
 # tensor-parallel shards (innermost: its collectives run every layer, so its ranks are adjacent,
-# i.e. on one machine under torchrun's rank order).
+# i.e. on one machine under torchrun's rank order). Under HSDP (opt.fsdp.replicas > 1) the
+# data-parallel dimension is two: replicas of the model (outer: across machines, one gradient
+# all-reduce a step), each sharded over its own processes (inner: a machine's, FSDP's gathers).
 MESH_DIMS = ("pp", "dp", "tp")
+HSDP_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -59,26 +62,51 @@ class Distributed:
     world_size: int
     device: torch.device
     # The processes as a pp x dp x tp DeviceMesh when a stage splits the model (+opt=pp, +opt=tp;
-    # `with_mesh`), else None: then every process is a data-parallel rank.
+    # `with_mesh`) or FSDP replicates it (HSDP: pp x dp_replicate x dp_shard x tp), else None:
+    # then every process is a data-parallel rank.
     mesh: DeviceMesh | None = None
+    # HSDP's two data-parallel dimensions as one (DeviceMesh._flatten makes its process group
+    # once: kept here, as torch asks, rather than sliced from `mesh` again).
+    flat_dp: DeviceMesh | None = None
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """The data-parallel dimension (each of its ranks reads another slice of the batch;
+        DDP's replicas), or None without a mesh."""
+        if self.mesh is None:
+            return None
+        return self.flat_dp if self.flat_dp is not None else self.mesh["dp"]
+
+    @property
+    def shard_mesh(self) -> DeviceMesh | None:
+        """What FSDP shards over: the data-parallel dimension, or HSDP's (replicate, shard)
+        pair, on which FSDP2 replicates over the first and shards over the second."""
+        if self.mesh is not None and self.flat_dp is not None:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.dp_mesh
 
     @property
     def dp_rank(self) -> int:
         """This process's data-parallel coordinate: which slice of each global batch it reads.
         The ranks of one pipeline or tensor-parallel group read the same batch."""
-        return self.mesh["dp"].get_local_rank() if self.mesh is not None else self.rank
+        dp = self.dp_mesh
+        return dp.get_local_rank() if dp is not None else self.rank
 
     @property
     def dp_size(self) -> int:
         """How many different slices each global batch is split into."""
-        return self.mesh["dp"].size() if self.mesh is not None else self.world_size
+        dp = self.dp_mesh
+        return dp.size() if dp is not None else self.world_size
 
-    def with_mesh(self, pp: int = 1, tp: int = 1) -> Distributed:
+    def with_mesh(self, pp: int = 1, tp: int = 1, replicas: int = 1) -> Distributed:
         """This world arranged as `pp` pipeline stages x the data-parallel rest x `tp` tensor
-        shards; unchanged when both are 1."""
-        if pp == 1 and tp == 1:
+        shards, the data-parallel rest as `replicas` x shards under HSDP; unchanged when all
+        are 1."""
+        if pp == tp == replicas == 1:
             return self
-        return replace(self, mesh=build_mesh(self.device, self.world_size, pp, tp))
+        mesh = build_mesh(self.device, self.world_size, pp, tp, replicas)
+        flat = mesh["dp_replicate", "dp_shard"]._flatten("dp") if replicas > 1 else None
+        return replace(self, mesh=mesh, flat_dp=flat)
 
     @property
     def is_main(self) -> bool:
@@ -162,10 +190,28 @@ def mesh_shape(world_size: int, pp: int, tp: int) -> tuple[int, int, int]:
     return pp, world_size // (pp * tp), tp
 
 
-def build_mesh(device: torch.device, world_size: int, pp: int, tp: int) -> DeviceMesh:
+def build_mesh(
+    device: torch.device, world_size: int, pp: int, tp: int, replicas: int = 1
+) -> DeviceMesh:
     """The pp x dp x tp DeviceMesh over the default process group (torchrun's ranks, row-major:
-    tp innermost)."""
-    return init_device_mesh(device.type, mesh_shape(world_size, pp, tp), mesh_dim_names=MESH_DIMS)
+    tp innermost); with `replicas` > 1, pp x dp_replicate x dp_shard x tp (HSDP)."""
+    pp, dp, tp = mesh_shape(world_size, pp, tp)
+    if replicas == 1:
+        return init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    shape = (pp, replicas, hsdp_shards(dp, replicas), tp)
+    return init_device_mesh(device.type, shape, mesh_dim_names=HSDP_DIMS)
+
+
+def hsdp_shards(dp_size: int, replicas: int) -> int:
+    """The processes each of HSDP's `replicas` shards the model over; refuses a count that
+    `replicas` does not divide."""
+    if dp_size % replicas:
+        raise ConfigError(
+            f"opt.fsdp.replicas={replicas} does not divide the {dp_size} data-parallel processes "
+            "(the processes over opt.pp.degree x opt.tp.degree): choose a divisor, e.g. the "
+            "number of machines"
+        )
+    return dp_size // replicas
 
 
 def _cpu_group() -> dist.ProcessGroup:

@@ -159,6 +159,7 @@ class Setup:
 
     stages: list[str]
     world: int  # processes (each planned alike: the peak is per rank)
+    shards: int  # FSDP's: the processes, or under HSDP one replica's (opt.fsdp.replicas)
     tokens: int  # tokens per micro-batch on this rank
     micro_steps: int
     defer_reduce: bool
@@ -230,7 +231,8 @@ def plan_setup(cfg: DictConfig, nproc: int) -> Setup:
     # The planned run is on a GPU, where offload acts (opt.offload.offloads)
     sharded = "fsdp" if "fsdp" in stages else "offload" if "offload" in stages else ""
     return Setup(
-        stages=stages, world=nproc, tokens=p.micro_batch_size * cfg.model.block_size,
+        stages=stages, world=nproc, shards=nproc // p.dp_replicas,
+        tokens=p.micro_batch_size * cfg.model.block_size,
         micro_steps=p.micro_steps, defer_reduce=p.defer_reduce,
         compute=2 if amp else 4,
         residual=2 if (p.residual_dtype is not None or pure) else 4,
@@ -260,8 +262,8 @@ def weights(s: Shapes, u: Setup) -> dict[str, float]:
     if u.sharded == "offload":
         return moments(all=4 * s.root, step=0)
     if u.sharded == "fsdp":
-        shard = 4 * s.params / u.world
-        root = u.gathered * s.root * (u.world - 1) / u.world
+        shard = 4 * s.params / u.shards
+        root = u.gathered * s.root * (u.shards - 1) / u.shards
         return moments(all=shard + root, step=shard)
     return moments(all=4 * s.params)
 
@@ -279,7 +281,7 @@ def gradients(s: Shapes, u: Setup) -> dict[str, float]:
     if u.sharded == "offload":  # copied to the host as produced: the root's and one block's
         return moments(all=0, backward=4 * s.root, backward_end=4 * (s.root + s.block))
     if u.sharded == "fsdp":  # sharded by each block's reduce-scatter; the root's whole to the end
-        shard = everything / u.world
+        shard = everything / u.shards
         # earlier micro-batches' gradients: sharded, or whole when their reduction waits
         earlier = 0 if u.micro_steps == 1 else everything if u.defer_reduce else shard
         return moments(
@@ -316,7 +318,7 @@ def optimizer_state(s: Shapes, u: Setup) -> dict[str, float]:
     bits = {"lowbit8": 8, "lowbit4": 4}.get(u.optimizer)
     state = lowbit_state(s.sizes, bits) if bits else 8 * s.params
     temporary = {"foreach": 4 * s.params, "forloop": 4 * max(s.sizes)}.get(u.optimizer, 0)
-    shard = u.world if u.sharded == "fsdp" else 1
+    shard = u.shards if u.sharded == "fsdp" else 1
     if u.step_in_backward:  # each update in backward: one parameter's temporaries at a time
         one = 4 * max(s.sizes) if temporary else 0  # foreach over a list of one: as the for-loop
         return moments(all=state, backward_end=state + one)

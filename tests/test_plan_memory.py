@@ -132,3 +132,14 @@ def test_the_command_line_refuses_without_a_traceback() -> None:
     )  # fmt: skip
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("plan_memory.py: ")
+
+
+def test_hsdp_shards_over_one_replica() -> None:
+    """Under HSDP (opt.fsdp.replicas) each rank holds 1/shards of the weights and AdamW's
+    state: 2 replicas x 2 shards hold twice FSDP-over-4's share."""
+    shared = ["model=gpt2-xl", "+opt=[amp,fsdp]", "nproc=4"]
+    over_four = plan_memory.predict(*plan_memory.compose(shared)[:2]).as_dict()
+    hsdp = plan_memory.predict(*plan_memory.compose([*shared, "opt.fsdp.replicas=2"])[:2])
+    for category in ("weights", "optimizer_state"):
+        ratio = hsdp.as_dict()[category] / over_four[category]
+        assert ratio == pytest.approx(2, rel=0.1), category

@@ -1,0 +1,77 @@
+"""HSDP (issue 22's outer data-parallel dimension): `opt.fsdp.replicas=R` arranges the
+data-parallel processes as R replicas of the model, each sharded by FSDP2 over its own
+processes (a machine's, in a real run), the gradients all-reduced between replicas. On CPUs
+(gloo, float32): 2 replicas x 2 shards on 4 processes, and with +opt=tp as 2 x 2 x 2 on 8, give
+one process's losses with the same global batch; their checkpoints, read whole or resumed in
+one process, hold its weights. The planning rules, in this process (the planner's share:
+tests/test_plan_memory.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_pp_dp import RUN, _assert_same_run
+from test_tp import _torchrun, assert_holds_the_weights_of
+
+import opt
+from conftest import TINY, make_cfg, tiny_cfg
+from recipe.distributed import Distributed
+from train import train
+
+GLOBAL = "train.batch_size=8"
+HSDP = ("+opt=fsdp", "opt.fsdp.replicas=2", "train.batch_size=2")  # 4 data-parallel ranks
+LAYOUTS = {"hsdp": (4, HSDP), "tp_hsdp": (8, ("+opt=[tp,fsdp]", *HSDP[1:]))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One process; each layout; HSDP stopped at step 4 and continued in one process."""
+    root = tmp_path_factory.mktemp("hsdp")
+    out = {name: root / name for name in ("single", *LAYOUTS, "hsdp_on_one")}
+    train(tiny_cfg(*RUN, GLOBAL), out["single"], overrides=[*TINY, *RUN, GLOBAL])
+    for name, (processes, stages) in LAYOUTS.items():
+        out[name].mkdir()
+        args = (*TINY, *RUN, *stages, f"hydra.run.dir={out[name]}")
+        (out[name] / "stdout.txt").write_text(_torchrun(processes, "train.py", *args))
+    stopped = root / "stopped"
+    _torchrun(4, "train.py", *TINY, *RUN, *HSDP, "train.max_steps=4", f"hydra.run.dir={stopped}")
+    shutil.copytree(stopped, out["hsdp_on_one"])
+    resume_here = ("train.resume=true", "train.max_steps=8", "~opt.fsdp", GLOBAL)
+    cfg = make_cfg(*TINY, *RUN, *HSDP, *resume_here)
+    train(cfg, out["hsdp_on_one"], overrides=list(resume_here))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_replicas_of_sharded_models_match_one_process(runs, name: str) -> None:
+    _assert_same_run(runs[name], runs["single"])
+    stdout = (runs[name] / "stdout.txt").read_text()
+    assert "[opt] fsdp: 2 replicas x 2 shards" in stdout
+    assert_holds_the_weights_of(runs[name], runs["single"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_hsdp_checkpoint_resumes_in_one_process(runs) -> None:
+    _assert_same_run(runs["hsdp_on_one"], runs["single"])
+
+
+def _plan(world: int, *overrides: str) -> opt.Plan:
+    dist = Distributed(rank=0, local_rank=0, world_size=world, device=torch.device("cpu"))
+    return opt.plan(make_cfg(*overrides), dist)
+
+
+def test_the_replicas_divide_what_the_model_splitting_stages_leave() -> None:
+    assert _plan(4, "+opt=fsdp", "opt.fsdp.replicas=2").dp_replicas == 2
+    assert _plan(8, "+opt=[tp,fsdp]", "opt.fsdp.replicas=4").dp_replicas == 4  # 4 x 1 x 2
+    assert _plan(4, "+opt=fsdp").dp_replicas == 1  # FSDP over all of them
+    with pytest.raises(ValueError, match="^opt.fsdp.replicas=3 does not divide the 4") as refused:
+        _plan(4, "+opt=fsdp", "opt.fsdp.replicas=3")
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="^opt.fsdp.replicas=4 does not divide the 2 data"):
+        _plan(4, "+opt=[tp,fsdp]", "opt.fsdp.replicas=4")  # 2 tp ranks leave 2
