@@ -70,6 +70,7 @@ def offload_to_host(
             "reshard_after_forward": cfg.reshard_after_forward,
             "cpu_offload": True,
             "mixed_precision": "autocast",
+            "replicas": 1,
         }
     )
     apply_fsdp(model, knobs, dist, amp_dtype)

@@ -41,7 +41,8 @@ def _shard(run: Path) -> None:
     try:
         dist = distributed.Distributed(rank=0, local_rank=0, world_size=1, device=cpu)
         model = GPT(GPTConfig(**state["model_config"]))
-        knobs = {"reshard_after_forward": True, "cpu_offload": False, "mixed_precision": "autocast"}
+        knobs = {"reshard_after_forward": True, "cpu_offload": False, "mixed_precision": "autocast",
+                 "replicas": 1}  # fmt: skip
         apply_fsdp(model, OmegaConf.create(knobs), dist, None)
         optimizer = build_optimizer(model, OmegaConf.create(state["config"]).train, {})
         scaler = torch.amp.GradScaler(enabled=False)
