@@ -8,41 +8,25 @@ tests/test_plan_memory.py)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from test_pp_dp import RUN, _assert_same_run
-from test_tp import _torchrun, assert_holds_the_weights_of
+from test_pp_dp import Layouts, _assert_same_run, layout_runs
+from test_tp import assert_holds_the_weights_of
 
 import opt
-from conftest import TINY, make_cfg, tiny_cfg
+from conftest import make_cfg
 from recipe.distributed import Distributed
-from train import train
 
-GLOBAL = "train.batch_size=8"
-HSDP = ("+opt=fsdp", "opt.fsdp.replicas=2", "train.batch_size=2")  # 4 data-parallel ranks
-LAYOUTS = {"hsdp": (4, HSDP), "tp_hsdp": (8, ("+opt=[tp,fsdp]", *HSDP[1:]))}
+HSDP = ["opt.fsdp.replicas=2", "train.batch_size=2"]  # 4 data-parallel ranks, 8 sequences
+LAYOUTS: Layouts = {"hsdp": (4, ["+opt=fsdp", *HSDP]), "tp_hsdp": (8, ["+opt=[tp,fsdp]", *HSDP])}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One process; each layout; HSDP stopped at step 4 and continued in one process."""
-    root = tmp_path_factory.mktemp("hsdp")
-    out = {name: root / name for name in ("single", *LAYOUTS, "hsdp_on_one")}
-    train(tiny_cfg(*RUN, GLOBAL), out["single"], overrides=[*TINY, *RUN, GLOBAL])
-    for name, (processes, stages) in LAYOUTS.items():
-        out[name].mkdir()
-        args = (*TINY, *RUN, *stages, f"hydra.run.dir={out[name]}")
-        (out[name] / "stdout.txt").write_text(_torchrun(processes, "train.py", *args))
-    stopped = root / "stopped"
-    _torchrun(4, "train.py", *TINY, *RUN, *HSDP, "train.max_steps=4", f"hydra.run.dir={stopped}")
-    shutil.copytree(stopped, out["hsdp_on_one"])
-    resume_here = ("train.resume=true", "train.max_steps=8", "~opt.fsdp", GLOBAL)
-    cfg = make_cfg(*TINY, *RUN, *HSDP, *resume_here)
-    train(cfg, out["hsdp_on_one"], overrides=list(resume_here))
-    return out
+    return layout_runs(tmp_path_factory.mktemp("hsdp"), LAYOUTS, "hsdp", ["fsdp"])
 
 
 @pytest.mark.slow
@@ -58,7 +42,7 @@ def test_replicas_of_sharded_models_match_one_process(runs, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_an_hsdp_checkpoint_resumes_in_one_process(runs) -> None:
-    _assert_same_run(runs["hsdp_on_one"], runs["single"])
+    _assert_same_run(runs["on_one"], runs["single"])
 
 
 def _plan(world: int, *overrides: str) -> opt.Plan:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -35,32 +34,39 @@ RUN = (
 RTOL = {"train/loss": 1e-5, "val/loss": 1e-5, "train/grad_norm": 1e-3}
 GLOBAL, PER_PIPELINE = "train.batch_size=8", "train.batch_size=4"
 LAYOUTS = {  # 2 pipelines: each stage FSDP-sharded, or replicated; interleaved: 2 stages a rank
-    "fsdp": ["+opt=[pp,fsdp]"],
-    "ddp": ["+opt=pp"],
-    "fsdp_interleaved": ["+opt=[pp,fsdp]", "opt.pp.schedule=interleaved_1f1b",
-                         "opt.pp.stages_per_rank=2"],
+    "fsdp": (4, ["+opt=[pp,fsdp]", PER_PIPELINE]),
+    "ddp": (4, ["+opt=pp", PER_PIPELINE]),
+    "fsdp_interleaved": (4, ["+opt=[pp,fsdp]", PER_PIPELINE, "opt.pp.schedule=interleaved_1f1b",
+                             "opt.pp.stages_per_rank=2"]),
 }  # fmt: skip
+Layouts = dict[str, tuple[int, list[str]]]  # name: (processes, the stages and knobs)
+
+
+def layout_runs(root: Path, layouts: Layouts, stopped: str, drop: list[str]) -> dict[str, Path]:
+    """The runs a multi-process layout is judged by, under `root`: one process with the global
+    batch ("single"); each of `layouts` under torchrun (its console output in stdout.txt); and
+    the layout `stopped` run to step 4, then continued in one process without the stages
+    `drop` ("on_one")."""
+    out = {name: root / name for name in ("single", *layouts, "on_one")}
+    train(tiny_cfg(*RUN, GLOBAL), out["single"], overrides=[*TINY, *RUN, GLOBAL])
+    for name, (processes, stages) in layouts.items():
+        out[name].mkdir()
+        args = (*TINY, *RUN, *stages, f"hydra.run.dir={out[name]}")
+        (out[name] / "stdout.txt").write_text(_torchrun(processes, "train.py", *args))
+    processes, stages = layouts[stopped]
+    _torchrun(processes, "train.py", *TINY, *RUN, *stages, "train.max_steps=4",
+              f"hydra.run.dir={out['on_one']}")  # fmt: skip
+    resume_here = ("train.resume=true", "train.max_steps=8", *(f"~opt.{s}" for s in drop), GLOBAL)
+    cfg = make_cfg(*TINY, *RUN, *stages, *resume_here)
+    train(cfg, out["on_one"], overrides=list(resume_here))
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One process with the global batch; pp=2 x fsdp=2 and pp=2 x 2 replicas on 4 processes;
     pp=2 x fsdp=2 stopped at step 4 and continued in one process."""
-    root = tmp_path_factory.mktemp("pp_dp")
-    out = {name: root / name for name in ("single", *LAYOUTS, "fsdp_on_one")}
-    train(tiny_cfg(*RUN, GLOBAL), out["single"], overrides=[*TINY, *RUN, GLOBAL])
-    for name, stages in LAYOUTS.items():
-        out[name].mkdir()
-        args = (*TINY, *RUN, *stages, PER_PIPELINE, f"hydra.run.dir={out[name]}")
-        (out[name] / "stdout.txt").write_text(_torchrun(4, "train.py", *args))
-    stopped = root / "stopped"
-    _torchrun(4, "train.py", *TINY, *RUN, "+opt=[pp,fsdp]", PER_PIPELINE, "train.max_steps=4",
-              f"hydra.run.dir={stopped}")  # fmt: skip
-    shutil.copytree(stopped, out["fsdp_on_one"])
-    resume_here = ("train.resume=true", "train.max_steps=8", "~opt.pp", "~opt.fsdp", GLOBAL)
-    cfg = make_cfg(*TINY, *RUN, "+opt=[pp,fsdp]", *resume_here)
-    train(cfg, out["fsdp_on_one"], overrides=list(resume_here))
-    return out
+    return layout_runs(tmp_path_factory.mktemp("pp_dp"), LAYOUTS, "fsdp", ["pp", "fsdp"])
 
 
 def _assert_same_run(run_dir: Path, reference: Path) -> None:
@@ -109,7 +115,7 @@ def test_a_pp_by_fsdp_checkpoint_resumes_in_one_process(runs) -> None:
     and went on as the uninterrupted run."""
     step = runs["fsdp"] / "checkpoint.dcp" / (runs["fsdp"] / "checkpoint.dcp/LATEST").read_text()
     assert len(list(step.glob("*.distcp"))) == 4
-    _assert_same_run(runs["fsdp_on_one"], runs["single"])
+    _assert_same_run(runs["on_one"], runs["single"])
 
 
 def _plan(world: int, *overrides: str) -> opt.Plan:

@@ -7,18 +7,13 @@ their checkpoints, read whole or resumed in one process, hold the one process's 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from test_pp_dp import RUN, _assert_same_run
-from test_tp import _torchrun, assert_holds_the_weights_of
+from test_pp_dp import GLOBAL, Layouts, _assert_same_run, layout_runs
+from test_tp import assert_holds_the_weights_of
 
-from conftest import TINY, make_cfg, tiny_cfg
-from train import train
-
-GLOBAL = "train.batch_size=8"
-LAYOUTS = {  # name: (processes, the command line's stages and knobs)
+LAYOUTS: Layouts = {
     "pp_tp": (4, ["+opt=[pp,tp]", GLOBAL]),
     # Interleaved (2 stages a rank), the residual stream and the loss whole on every tp rank,
     # and each block, embed and head compiled whole (fullgraph: a graph break fails the run).
@@ -34,21 +29,7 @@ LAYOUTS = {  # name: (processes, the command line's stages and knobs)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One process; each layout; pp x tp stopped at step 4 and continued in one process."""
-    root = tmp_path_factory.mktemp("pp_tp")
-    out = {name: root / name for name in ("single", *LAYOUTS, "pp_tp_on_one")}
-    train(tiny_cfg(*RUN, GLOBAL), out["single"], overrides=[*TINY, *RUN, GLOBAL])
-    for name, (processes, stages) in LAYOUTS.items():
-        out[name].mkdir()
-        args = (*TINY, *RUN, *stages, f"hydra.run.dir={out[name]}")
-        (out[name] / "stdout.txt").write_text(_torchrun(processes, "train.py", *args))
-    stopped = root / "stopped"
-    _torchrun(4, "train.py", *TINY, *RUN, *LAYOUTS["pp_tp"][1], "train.max_steps=4",
-              f"hydra.run.dir={stopped}")  # fmt: skip
-    shutil.copytree(stopped, out["pp_tp_on_one"])
-    resume_here = ("train.resume=true", "train.max_steps=8", "~opt.pp", "~opt.tp")
-    cfg = make_cfg(*TINY, *RUN, "+opt=[pp,tp]", GLOBAL, *resume_here)
-    train(cfg, out["pp_tp_on_one"], overrides=list(resume_here))
-    return out
+    return layout_runs(tmp_path_factory.mktemp("pp_tp"), LAYOUTS, "pp_tp", ["pp", "tp"])
 
 
 @pytest.mark.slow
@@ -76,4 +57,4 @@ def test_a_pp_by_tp_checkpoint_resumes_in_one_process(runs) -> None:
     """Each rank wrote its stage's tp shards at step 4; one process read them whole (the
     strided QKV in GPT-2's rows, the head's copy of the tied weight dropped) and went on as
     the uninterrupted run."""
-    _assert_same_run(runs["pp_tp_on_one"], runs["single"])
+    _assert_same_run(runs["on_one"], runs["single"])
