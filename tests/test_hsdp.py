@@ -1,10 +1,10 @@
 """HSDP (issue 22's outer data-parallel dimension): `opt.fsdp.replicas=R` arranges the
 data-parallel processes as R replicas of the model, each sharded by FSDP2 over its own
 processes (a machine's, in a real run), the gradients all-reduced between replicas. On CPUs
-(gloo, float32): 2 replicas x 2 shards on 4 processes, and with +opt=tp as 2 x 2 x 2 on 8, give
-one process's losses with the same global batch; their checkpoints, read whole or resumed in
-one process, hold its weights. The planning rules, in this process (the planner's share:
-tests/test_plan_memory.py)."""
+(gloo, float32): 2 replicas x 2 shards on 4 processes, and with +opt=tp or +opt=pp (2 x 2 x 2
+on 8), give one process's losses with the same global batch; their checkpoints, read whole or
+resumed in one process, hold its weights. The planning rules, in this process (the planner's
+share: tests/test_plan_memory.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,11 @@ from conftest import make_cfg
 from recipe.distributed import Distributed
 
 HSDP = ["opt.fsdp.replicas=2", "train.batch_size=2"]  # 4 data-parallel ranks, 8 sequences
-LAYOUTS: Layouts = {"hsdp": (4, ["+opt=fsdp", *HSDP]), "tp_hsdp": (8, ["+opt=[tp,fsdp]", *HSDP])}
+LAYOUTS: Layouts = {
+    "hsdp": (4, ["+opt=fsdp", *HSDP]),
+    "tp_hsdp": (8, ["+opt=[tp,fsdp]", *HSDP]),
+    "pp_hsdp": (8, ["+opt=[pp,fsdp]", *HSDP, "opt.pp.microbatches=2"]),  # 2 stages x 2 x 2
+}
 
 
 @pytest.fixture(scope="module")
