@@ -63,8 +63,9 @@ def apply_fsdp(
     for root in roots or [model]:
         fully_shard(root, reshard_after_forward=False, **kwargs)
     precision = "float32" if amp_dtype is None else f"{amp_dtype} ({cfg.mixed_precision})"
-    shards = dist.dp_size // cfg.replicas
-    layout = f"{cfg.replicas} replicas x {shards}" if cfg.replicas > 1 else f"{shards}"
+    mesh = kwargs.get("mesh")  # as FSDP got it: HSDP's is (replicas, shards)
+    hsdp = mesh is not None and mesh.ndim == 2
+    layout = f"{mesh.size(0)} replicas x {mesh.size(1)}" if hsdp else f"{dist.dp_size}"
     log(
         f"[opt] fsdp: {layout} shards, reshard_after_forward={cfg.reshard_after_forward}"
         f", cpu_offload={cfg.cpu_offload}, compute in {precision}"
