@@ -11,11 +11,15 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    import opt
 
 # Before anything imports `datasets` (it reads these once): tests never reach for the hub.
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -51,6 +55,16 @@ def make_cfg(*overrides: str) -> DictConfig:
     """The composed config, exactly as `python train.py <overrides>` would see it."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("config", overrides=list(overrides))
+
+
+def planned(processes: int, *overrides: str) -> opt.Plan:
+    """`opt.plan` of `python train.py <overrides>` on rank 0 of `processes` processes (planning
+    only: no process group is made)."""
+    import opt
+    from recipe.distributed import Distributed
+
+    dist = Distributed(rank=0, local_rank=0, world_size=processes, device=torch.device("cpu"))
+    return opt.plan(make_cfg(*overrides), dist)
 
 
 def tiny_cfg(*overrides: str) -> DictConfig:

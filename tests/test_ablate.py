@@ -46,22 +46,14 @@ def test_every_ladder_step_is_planned_on_its_process_count(name: str) -> None:
     process count that pp x tp divides, micro-batches that divide the batch)."""
     import warnings
 
-    import torch
-
-    import opt
-    from conftest import make_cfg
-    from recipe.distributed import Distributed
+    from conftest import planned
 
     ladder = _ladder(name)
     for plan in ablate.step_plans(ladder):
         stages = [f"+opt=[{','.join(plan['stages'])}]"] if plan["stages"] else []
-        cfg = make_cfg(*ladder.workload, *stages, *plan["overrides"])
-        world = Distributed(
-            rank=0, local_rank=0, world_size=plan["gpus"], device=torch.device("cpu")
-        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. +opt=ddp's "no effect in one process"
-            opt.plan(cfg, world)
+            planned(plan["gpus"], *ladder.workload, *stages, *plan["overrides"])
 
 
 def test_cumulative_ladders_keep_earlier_steps() -> None:

@@ -156,16 +156,11 @@ def test_every_documented_run_is_planned_on_its_process_count(
     showed +opt=tp on GPT-2 XL, whose 25 heads do not split over 2 ranks)."""
     import warnings
 
-    import torch
+    from conftest import planned
 
-    import opt
-    from conftest import make_cfg
-    from recipe.distributed import Distributed
-
-    world = Distributed(rank=0, local_rank=0, world_size=processes, device=torch.device("cpu"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. float16 on a CPU
-        opt.plan(make_cfg(*overrides), world)
+        planned(processes, *overrides)
 
 
 def test_the_readme_sweep_example_is_small() -> None:

@@ -11,13 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from test_pp_dp import Layouts, _assert_same_run, layout_runs
 from test_tp import assert_holds_the_weights_of
 
-import opt
-from conftest import make_cfg
-from recipe.distributed import Distributed
+from conftest import planned
 
 HSDP = ["opt.fsdp.replicas=2", "train.batch_size=2"]  # 4 data-parallel ranks, 8 sequences
 LAYOUTS: Layouts = {
@@ -49,17 +46,12 @@ def test_an_hsdp_checkpoint_resumes_in_one_process(runs) -> None:
     _assert_same_run(runs["on_one"], runs["single"])
 
 
-def _plan(world: int, *overrides: str) -> opt.Plan:
-    dist = Distributed(rank=0, local_rank=0, world_size=world, device=torch.device("cpu"))
-    return opt.plan(make_cfg(*overrides), dist)
-
-
 def test_the_replicas_divide_what_the_model_splitting_stages_leave() -> None:
-    assert _plan(4, "+opt=fsdp", "opt.fsdp.replicas=2").dp_replicas == 2
-    assert _plan(8, "+opt=[tp,fsdp]", "opt.fsdp.replicas=4").dp_replicas == 4  # 4 x 1 x 2
-    assert _plan(4, "+opt=fsdp").dp_replicas == 1  # FSDP over all of them
+    assert planned(4, "+opt=fsdp", "opt.fsdp.replicas=2").dp_replicas == 2
+    assert planned(8, "+opt=[tp,fsdp]", "opt.fsdp.replicas=4").dp_replicas == 4  # 4 x 1 x 2
+    assert planned(4, "+opt=fsdp").dp_replicas == 1  # FSDP over all of them
     with pytest.raises(ValueError, match="^opt.fsdp.replicas=3 does not divide the 4") as refused:
-        _plan(4, "+opt=fsdp", "opt.fsdp.replicas=3")
+        planned(4, "+opt=fsdp", "opt.fsdp.replicas=3")
     assert "\n" not in str(refused.value)
     with pytest.raises(ValueError, match="^opt.fsdp.replicas=4 does not divide the 2 data"):
-        _plan(4, "+opt=[tp,fsdp]", "opt.fsdp.replicas=4")  # 2 tp ranks leave 2
+        planned(4, "+opt=[tp,fsdp]", "opt.fsdp.replicas=4")  # 2 tp ranks leave 2

@@ -15,11 +15,9 @@ import pytest
 import torch
 from test_tp import _torchrun
 
-import opt
-from conftest import TINY, logged, make_cfg, tiny_cfg
+from conftest import TINY, logged, make_cfg, planned, tiny_cfg
 from opt.pp import ComputeClock
 from recipe import checkpoint
-from recipe.distributed import Distributed
 from train import train
 
 # 4 blocks; a constant learning rate, so that a run stopped at step 4 and resumed is the 8-step
@@ -118,16 +116,11 @@ def test_a_pp_by_fsdp_checkpoint_resumes_in_one_process(runs) -> None:
     _assert_same_run(runs["on_one"], runs["single"])
 
 
-def _plan(world: int, *overrides: str) -> opt.Plan:
-    dist = Distributed(rank=0, local_rank=0, world_size=world, device=torch.device("cpu"))
-    return opt.plan(make_cfg(*overrides), dist)
-
-
 def test_several_pipelines_are_planned_with_fsdp_or_replicas() -> None:
-    assert _plan(4, "+opt=[pp,fsdp]").stages == ["pp", "fsdp"]
-    assert _plan(4, "+opt=[pp,ddp]").pp_degree == 2
-    assert _plan(8, "+opt=pp", "opt.pp.degree=4").pp_degree == 4
-    pp_tp = _plan(8, "+opt=[pp,tp,fsdp]")  # a 2 x 2 x 2 pp x dp x tp mesh
+    assert planned(4, "+opt=[pp,fsdp]").stages == ["pp", "fsdp"]
+    assert planned(4, "+opt=[pp,ddp]").pp_degree == 2
+    assert planned(8, "+opt=pp", "opt.pp.degree=4").pp_degree == 4
+    pp_tp = planned(8, "+opt=[pp,tp,fsdp]")  # a 2 x 2 x 2 pp x dp x tp mesh
     assert (pp_tp.pp_degree, pp_tp.tp_degree, pp_tp.tp_sequence_parallel) == (2, 2, True)
 
 
@@ -141,7 +134,7 @@ def test_several_pipelines_are_planned_with_fsdp_or_replicas() -> None:
 )
 def test_what_still_cannot_run_is_refused_in_one_line(world: int, overrides, message) -> None:
     with pytest.raises(ValueError, match=message) as refused:
-        _plan(world, *overrides)
+        planned(world, *overrides)
     assert "\n" not in str(refused.value)
 
 
