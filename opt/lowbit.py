@@ -14,8 +14,14 @@ updates in place (recipe/schedule.py) so that a new rate does not recompile the 
 torchao 0.18's `step` wraps that function in a new `torch.compile(...)` for every parameter at
 every step (pytorch/ao#2500): building the wrapper alone costs ~0.6 ms of host time, ~350 ms a
 step for GPT-2 XL's 580 parameters, and left the GPU idle most of the memory_xl `lowbit` step.
-The class returned here steps the same way (torchao's state, torchao's update function) with
-the function compiled once.
+The class returned here keeps torchao's state and math and updates each parameter either with
+torchao's function compiled once (`opt.lowbit.impl=torchao`, and 4 bits) or, by default, with
+our own Triton kernel (`impl=triton`, 8 bits on CUDA: kernels/triton_adamw8bit.py): one launch
+per parameter from plain pointers instead of ~0.5 ms of dynamo guards and graph launches each.
+
+Both read the non-finite guard's device flag `found_inf`, as fused AdamW does, so a bad step
+costs no host sync: the kernel writes nothing; torchao's update, which reads no flag, steps a
+zero gradient at learning rate 0 (the weights stay, the moments decay one step).
 
 Its checkpointed state is plain tensors: torchao's quantized moments (`OptimState8bit`/`4bit`,
 tensor subclasses that `torch.load(weights_only=True)` refuses unless torchao is imported) are
@@ -26,6 +32,7 @@ read a lowbit run's checkpoint without torchao, as they read any other.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,8 +47,8 @@ TAG = "lowbit_bits"  # marks a quantized moment saved as its parts; its value: 8
 
 
 def apply_lowbit(cfg: DictConfig) -> type[torch.optim.Optimizer]:
-    """The optimizer class for `cfg.bits`, built by the trainer like AdamW (same groups, learning
-    rate, betas and weight decay)."""
+    """The optimizer class for `cfg.bits` and `cfg.impl`, built by the trainer like AdamW (same
+    groups, learning rate, betas and weight decay)."""
     try:
         from torchao.optim import AdamW4bit, AdamW8bit
     except ImportError as e:
@@ -49,15 +56,29 @@ def apply_lowbit(cfg: DictConfig) -> type[torch.optim.Optimizer]:
             f"+opt=lowbit needs torchao, an optional extra ({e}): "
             'pip install -e ".[lowbit]" (or pip install torchao==0.18.*)'
         ) from e
-    optimizer_class = _update_compiled_once(AdamW8bit if cfg.bits == 8 else AdamW4bit)
-    log(f"[opt] lowbit: {optimizer_class.__name__}, AdamW's moments in {cfg.bits} bits (torchao)")
+    base = AdamW8bit if cfg.bits == 8 else AdamW4bit
+    fused = cfg.impl == "triton" and cfg.bits == 8
+    optimizer_class = _lowbit_adamw(base, fused)
+    how = (
+        "one Triton kernel per parameter on CUDA (kernels/triton_adamw8bit.py)"
+        if fused
+        else "torchao's update, compiled once"
+    )
+    log(f"[opt] lowbit: {base.__name__}, AdamW's moments in {cfg.bits} bits; the update: {how}")
     return optimizer_class
 
 
+def runs_the_kernel(param: torch.Tensor) -> bool:
+    """Whether opt.lowbit.impl=triton steps `param` with the Triton kernel: on CUDA, or on the
+    CPU under Triton's interpreter (TRITON_INTERPRET=1, the tests); elsewhere torchao's update."""
+    return param.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.cache
-def _update_compiled_once(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """A subclass of torchao's low-bit AdamW `base` (same name, state and update) whose `step`
-    calls torchao's per-parameter update through one `torch.compile` wrapper."""
+def _lowbit_adamw(base: type[torch.optim.Optimizer], fused: bool) -> type[torch.optim.Optimizer]:
+    """A subclass of torchao's low-bit AdamW `base` (same name, state and math) whose `step`
+    updates each parameter with our Triton kernel (`fused`, 8-bit only) or torchao's update
+    through one `torch.compile` wrapper, and skips on the guard's device flag `found_inf`."""
     from torchao.optim.adam import single_param_adam
 
     update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
@@ -68,6 +89,7 @@ def _update_compiled_once(base: type[torch.optim.Optimizer]) -> type[torch.optim
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)  # the guard's verdict, on the device
         # As torchao does: one graph per parameter shape, a fixed number, so no cache limit.
         with torch._dynamo.utils.disable_cache_limit():
             for group in self.param_groups:
@@ -83,9 +105,22 @@ def _update_compiled_once(base: type[torch.optim.Optimizer]) -> type[torch.optim
                             state["max_exp_avg_sq"] = self._new_buffer(p, False)
                     state["step"] += 1
                     beta1, beta2 = group["betas"]
+                    if fused and runs_the_kernel(p) and not group["amsgrad"]:
+                        from kernels.triton_adamw8bit import adamw_update_
+
+                        adamw_update_(
+                            p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"],
+                            _no_skip(p.device) if found_inf is None else found_inf,
+                            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                            weight_decay=group["weight_decay"], step=float(state["step"]),
+                        )  # fmt: skip
+                        continue
+                    grad, lr = p.grad, group["lr"]
+                    if found_inf is not None:  # torchao reads no flag: zeros at learning rate 0
+                        grad, lr = _zero_lr_unless(grad, lr, found_inf.bool())
                     update(
-                        p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
-                        state.get("max_exp_avg_sq"), group["lr"], beta1, beta2,
+                        p.detach(), grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
+                        state.get("max_exp_avg_sq"), lr, beta1, beta2,
                         group["weight_decay"], group["eps"], self.is_adamw,
                         self.bf16_stochastic_round and p.dtype is torch.bfloat16,
                     )  # fmt: skip
@@ -96,8 +131,27 @@ def _update_compiled_once(base: type[torch.optim.Optimizer]) -> type[torch.optim
         self.register_state_dict_post_hook(_state_as_plain_tensors)
         self.register_load_state_dict_pre_hook(_state_from_plain_tensors)
 
-    namespace = {"__init__": __init__, "step": step, "__module__": __name__}
+    namespace = {
+        "__init__": __init__, "step": step, "__module__": __name__,
+        "skips_on_found_inf": True,  # recipe/guard.py hands it the verdict: no host sync
+    }  # fmt: skip
     return type(base.__name__, (base,), namespace)
+
+
+@functools.cache
+def _no_skip(device: torch.device) -> torch.Tensor:
+    """The kernel's skip flag when no guard set one: 0."""
+    return torch.zeros((), device=device)
+
+
+def _zero_lr_unless(
+    grad: torch.Tensor, lr: torch.Tensor, bad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's update cannot skip on a device flag and a host read of `bad` would stall every
+    hook of +opt=opt_in_backward (measured on GPT-2 XL: the GPU idled 65% of the step). So a bad
+    step becomes a zero gradient at learning rate 0: the weights stay exactly as they were, the
+    moments decay one step (as for a zero gradient), the step count advances."""
+    return grad.masked_fill(bad, 0.0), torch.where(bad, 0.0, lr.to(bad.device))
 
 
 def _quantized_types() -> tuple[Any, Any]:  # torchao's classes (untyped)
@@ -152,40 +206,10 @@ def _map_state(state_dict: dict, convert: Callable[[Any, Any], Any]) -> dict:
     return {**state_dict, "state": state}
 
 
-# +opt=opt_in_backward with this optimizer: a parameter whose gradient is not finite cannot skip
-# on a `found_inf` flag (torchao reads none), and a host sync per parameter would stall backward.
-
-
-def skips_at_zero_lr(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a bad parameter must skip as zeros at learning rate 0: no `found_inf` flag (not
-    fused) but a tensor learning rate the update reads on the device (torchao's low-bit AdamW)."""
-    return not optimizer.defaults.get("fused") and torch.is_tensor(optimizer.param_groups[0]["lr"])
-
-
-def step_at_zero_lr_unless(
-    optimizer: torch.optim.Optimizer,
-    grad: torch.Tensor,
-    bad: torch.Tensor,
-    step: Callable[[], Any],
-) -> None:
-    """One parameter's step without reading `bad` on the host: a bad gradient becomes zeros and
-    the learning rate 0, so the weights stay exactly as they were; the moments decay one step
-    (as for a zero gradient) and the step count advances. A sync per parameter instead (as
-    `_step_unless` does) would stall every gradient hook of backward: measured on GPT-2 XL with
-    torchao's AdamW8bit, the GPU idled 65% of the step."""
-    group = optimizer.param_groups[0]
-    lr = group["lr"]
-    grad.masked_fill_(bad, 0.0)
-    group["lr"] = torch.where(bad, 0.0, lr)  # on the flag's device: the update reads it there
-    try:
-        step()
-    finally:
-        group["lr"] = lr
-
-
 @dataclass
 class Knobs:
     bits: Literal[8, 4]  # AdamW's moments in 8 or 4 bits
+    impl: Literal["triton", "torchao"]  # triton: our fused kernel (8 bits, CUDA)
 
 
 def _apply(ctx: Context) -> None:

@@ -3,7 +3,8 @@ weights and the optimizer state stay as they were), counted and logged; `train.m
 such steps in a row stop the run with an error that names the step and what to try.
 
 It adds no host-device synchronisation where the optimizer can skip on a device flag: fused AdamW
-reads `found_inf` itself (as it does for the GradScaler), and float16's GradScaler already skips
+reads `found_inf` itself (as it does for the GradScaler), so does +opt=lowbit's AdamW (marked
+`skips_on_found_inf`), and float16's GradScaler already skips
 steps whose gradients overflowed. The for-loop and foreach implementations cannot, so for them
 the guard reads the flag on the host once a step (one sync; use +opt=fused to avoid it).
 Across ranks the flag is reduced, so every rank skips the same steps.
@@ -95,11 +96,12 @@ def step_unless(
 ) -> None:
     """`optimizer.step()` unless the device flag `bad` is set; `step`: another update of this
     optimizer's (+opt=opt_in_backward's hooks: the real one, restricted to one parameter)."""
-    # The optimizer's own step reads the flag (fused AdamW), or ignores it (`reads_found_inf`:
-    # the step in backward's, which has nothing left to do): no sync either way.
+    # The optimizer's own step reads the flag (fused AdamW, +opt=lowbit's), or ignores it
+    # (`reads_found_inf`: the step in backward's, which has nothing left to do): no sync either way.
     own_reads_flag = step is None and getattr(optimizer, "reads_found_inf", False)
     step = step or optimizer.step
-    if optimizer.defaults.get("fused") or own_reads_flag:
+    skips_on_flag = optimizer.defaults.get("fused") or getattr(optimizer, "skips_on_found_inf", 0)
+    if skips_on_flag or own_reads_flag:
         # Fused AdamW skips on this flag, on the device. Parameters offloaded to the host (FSDP's
         # CPU offload) need it in host memory first: fused AdamW would copy it asynchronously,
         # and a CPU kernel could read it before the copy lands; this copy waits.
