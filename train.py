@@ -167,7 +167,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     scaler = plan.grad_scaler(dist.device)
     guard = NonFiniteGuard(dist.device, dist, cfg.train.max_bad_steps)
     run.restore(model, optimizer, scaler, rank=dist.rank)  # on resume: weights, optimizer, RNG
-    opt.apply_optimizer_stages(optimizer, plan, guard)
+    opt.apply_optimizer_stages(optimizer, plan, guard, model)
 
     # ---- the run folder (config, metrics so far, logger); what this run's checkpoints save
     resolved = config.resolved(cfg, model.config)

@@ -155,10 +155,12 @@ def apply_model_stages(model: GPT, opt: DictConfig, p: Plan, dist: Distributed) 
 
 
 def apply_optimizer_stages(
-    optimizer: torch.optim.Optimizer, p: Plan, guard: NonFiniteGuard
+    optimizer: torch.optim.Optimizer, p: Plan, guard: NonFiniteGuard, model: GPT
 ) -> None:
-    """Applies the stages that change how the built optimizer steps: +opt=opt_in_backward."""
-    _run("step", DictConfig({}), Context(guard.dist, p, optimizer=optimizer, guard=guard))
+    """Applies the stages that change how `model`'s built optimizer steps: +opt=opt_in_backward
+    (which steps `model`'s blocks)."""
+    context = Context(guard.dist, p, model=model, optimizer=optimizer, guard=guard)
+    _run("step", DictConfig({}), context)
 
 
 def clip_grad_norm_(

@@ -1,11 +1,17 @@
 """`+opt=opt_in_backward`: the optimizer step in backward (the book's chapter 7 trick, torchtitan's
-`early_step_in_backward`). Every parameter gets a `register_post_accumulate_grad_hook` that runs
-its AdamW update as soon as backward has finished its gradient, then frees that gradient: the
-full set of gradients (4 bytes per parameter) never exists at once.
+`early_step_in_backward`). Every parameter gets a `register_post_accumulate_grad_hook`; once the
+last gradient of a block (a numbered transformer layer, else the module owning the parameter) is
+ready, the block's AdamW update runs and its gradients are freed: the full set of gradients
+(4 bytes per parameter) never exists at once, only one block's.
 
-The update is the optimizer's own, restricted to one parameter: its class and implementation
-(for-loop, foreach, fused, or torchao's low-bit AdamW), its state, its current learning rate, so
-a run with this stage equals one without it when nothing needs all gradients at once. What does:
+A block, not a parameter, is the unit so that the host keeps up with the GPU: one optimizer call
+(one multi-tensor launch of fused AdamW, one guard) per block instead of per parameter. Stepped
+one parameter at a time, GPT-2 XL's 580 hooks with torchao's update left the GPU idle 45-65% of
+the memory_xl `lowbit` step (docs/results/nvidia-h100-80gb-hbm3/memory_xl_lowbit_budget.md).
+
+The update is the optimizer's own, restricted to the block: its class and implementation
+(for-loop, foreach, fused, or +opt=lowbit's), its state, its current learning rate, so a run
+with this stage equals one without it when nothing needs all gradients at once. What does:
 - clipping by the global gradient norm (`train.grad_clip` must be inf): the norm needs every
   gradient before the first update;
 - accumulation (+opt=accum): each micro-batch's backward would step, not the sum of them;
@@ -13,13 +19,12 @@ a run with this stage equals one without it when nothing needs all gradients at 
 - float16's GradScaler: it unscales and checks every gradient, then skips or steps them all.
 Those combinations are refused (opt.check, opt.plan).
 
-The non-finite guard (recipe/guard.py) acts per parameter here: a hook whose gradient is not
-finite skips that parameter's update (on the device with fused AdamW; with torchao's low-bit
-AdamW on the device too, as a zero gradient at learning rate 0: the weights stay, the moments
-decay one step; one host sync per parameter with for-loop/foreach AdamW) and the step counts as
-bad. The other parameters' updates stand: unlike the normal step, a bad step can be partly
-applied. A non-finite loss is seen only after backward: it counts the step as bad but cannot
-undo the updates of parameters whose gradients were finite.
+The non-finite guard (recipe/guard.py) acts per block here: a block with a gradient that is not
+finite skips its update (on the device with fused AdamW and +opt=lowbit's AdamW; one host sync
+per block with for-loop/foreach AdamW) and the step counts as bad. The other blocks' updates
+stand: unlike the normal step, a bad step can be partly applied. A non-finite loss is seen only
+after backward: it counts the step as bad but cannot undo the updates of blocks whose gradients
+were finite.
 
 Under +opt=compile with scope=model, the compiled backward hands every gradient over at its end:
 the updates still run in backward, but the gradients all exist together (scope=block keeps the
@@ -29,42 +34,39 @@ saving, each block's backward being its own graph).
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from opt.lowbit import skips_at_zero_lr, step_at_zero_lr_unless
 from opt.stage import Context, Stage
 from recipe.distributed import log
 from recipe.errors import ConfigError
 from recipe.guard import NonFiniteGuard, step_unless
 
 
-def apply_opt_in_backward(optimizer: torch.optim.Optimizer, guard: NonFiniteGuard) -> int:
-    """Hooks every parameter of `optimizer` so that backward steps it and frees its gradient,
-    and makes `optimizer.step()` do nothing (the trainer's step finds the work done, as with
-    torchtitan's in-backward optimizer container); returns the number of hooked parameters."""
-    measured = _GradNorm(optimizer)
-    step = optimizer.step  # the real update, for the hooks (restricted to one parameter)
-    hooked = 0
-    for index, group in enumerate(optimizer.param_groups):
+def apply_opt_in_backward(
+    optimizer: torch.optim.Optimizer, guard: NonFiniteGuard, model: torch.nn.Module
+) -> int:
+    """Hooks every parameter of `optimizer` so that backward steps each of `model`'s blocks as
+    soon as the block's last gradient is ready, then frees the block's gradients, and makes
+    `optimizer.step()` do nothing (the trainer's step finds the work done, as with torchtitan's
+    in-backward optimizer container); returns the number of hooked parameters."""
+    blocks = _Blocks(optimizer, _blocks_of(optimizer, model))
+    for group in optimizer.param_groups:
         for param in group["params"]:
-            param.register_post_accumulate_grad_hook(
-                functools.partial(_step_now, optimizer, step, index, measured)
-            )
-            hooked += 1
+            param.register_post_accumulate_grad_hook(blocks.gradient_ready)
     # The trainer's step (recipe/guard.py) hands this optimizer the step's verdict as fused AdamW
     # gets it, without a sync: there is nothing left to skip.
     optimizer.step = _stepped_in_backward  # type: ignore[method-assign,assignment]
     optimizer.reads_found_inf = True  # type: ignore[attr-defined]
-    _MEASURED[optimizer] = measured
+    _BLOCKS[optimizer] = blocks
     guard.partial_steps = True  # its error message: a bad step may be partly applied
+    hooked = len(blocks.block_of)
     log(
-        f"[opt] opt_in_backward: {hooked} parameters stepped by {type(optimizer).__name__} in "
-        "backward, each gradient freed at once"
+        f"[opt] opt_in_backward: {hooked} parameters in {len(blocks.members)} blocks stepped by "
+        f"{type(optimizer).__name__} in backward, each block's gradients freed at once"
     )
     return hooked
 
@@ -73,62 +75,92 @@ def _stepped_in_backward(*args: Any, **kwargs: Any) -> None:
     """The optimizer's `step()` under +opt=opt_in_backward: every parameter stepped already."""
 
 
-class _GradNorm:
-    """The step's gradient norm, gathered parameter by parameter while backward runs."""
+def _block_name(parameter_name: str) -> str:
+    """The block a parameter steps with: its numbered layer ("transformer.h.3"), else the
+    module that owns it ("transformer.ln_f")."""
+    parts = parameter_name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or parameter_name
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        device = optimizer.param_groups[0]["params"][0].device
-        self.sq_sum = torch.zeros((), device=device)
 
-    def take(self) -> torch.Tensor:
-        """The norm of every gradient of the last backward (not finite if one was not)."""
+def _blocks_of(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[list[Any]]:
+    """The optimizer's parameters by block, in the optimizer's order."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    blocks: dict[str, list[Any]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = names.get(id(param), f"parameter {id(param)}")  # not the model's: on its own
+            blocks.setdefault(_block_name(name), []).append(param)
+    return list(blocks.values())
+
+
+class _Blocks:
+    """The step in backward, one block at a time: a block steps when its last gradient has
+    been accumulated, in one optimizer call over all its parameters (one multi-tensor launch
+    with fused AdamW, one kernel per parameter with +opt=lowbit's, one guard per block)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, members: list[list[Any]]) -> None:
+        self.optimizer, self.members = optimizer, members
+        self.real_step = optimizer.step  # the real update, for the hooks
+        self.block_of = {param: index for index, block in enumerate(members) for param in block}
+        self.ready: list[list[Any]] = [[] for _ in members]
+        device = members[0][0].device
+        self.sq_sum = torch.zeros((), device=device)  # the gradients' squared norm so far
+
+    def gradient_ready(self, param: torch.Tensor) -> None:
+        """The post-accumulate-grad hook: the block steps once all its gradients are in."""
+        index = self.block_of[param]
+        self.ready[index].append(param)
+        if len(self.ready[index]) == len(self.members[index]):
+            self._step(self.ready[index])
+            self.ready[index] = []
+
+    def _step(self, params: list[Any]) -> None:
+        """The block's update unless one of its gradients is not finite (on the device with
+        fused AdamW and +opt=lowbit's AdamW; one host sync per block with for-loop/foreach
+        AdamW), then its gradients are dropped."""
+        norms = torch.stack(torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32))
+        bad = ~torch.isfinite(norms).all()
+        self.sq_sum += norms.square().sum()
+        with _only(self.optimizer, params):
+            step_unless(self.optimizer, bad, self.real_step)
+        for param in params:
+            param.grad = None
+
+    def take_norm(self) -> torch.Tensor:
+        """The norm of every gradient of the last backward (not finite if one was not). Blocks
+        still waiting (a parameter that got no gradient this time) step first, with what they
+        have."""
+        for index, waiting in enumerate(self.ready):
+            if waiting:
+                self._step(waiting)
+                self.ready[index] = []
         norm = self.sq_sum.sqrt()
         self.sq_sum = torch.zeros_like(self.sq_sum)
         return norm
 
 
-_MEASURED: weakref.WeakKeyDictionary[torch.optim.Optimizer, _GradNorm] = weakref.WeakKeyDictionary()
+_BLOCKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Blocks] = weakref.WeakKeyDictionary()
 
 
 def grad_norm_measured(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     """The gradient norm of the step that `optimizer` took in backward; None for an optimizer
     that steps after backward (its gradients are all there to measure)."""
-    measured = _MEASURED.get(optimizer)
-    return measured.take() if measured else None
-
-
-def _step_now(
-    optimizer: torch.optim.Optimizer,
-    step: Callable[[], Any],
-    group_index: int,
-    measured: _GradNorm,
-    param: torch.Tensor,
-) -> None:
-    """The post-accumulate-grad hook: this parameter's update unless its gradient is not finite
-    (on the device with fused AdamW and with torchao's low-bit AdamW; one host sync per
-    parameter with for-loop/foreach AdamW), then its gradient is dropped."""
-    grad = param.grad
-    assert grad is not None  # the hook runs once it is accumulated
-    norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-    bad = ~torch.isfinite(norm)
-    measured.sq_sum += norm.square()
-    with _only(optimizer, group_index, param):
-        if skips_at_zero_lr(optimizer):
-            step_at_zero_lr_unless(optimizer, grad, bad, step)
-        else:
-            step_unless(optimizer, bad, step)
-    param.grad = None
+    blocks = _BLOCKS.get(optimizer)
+    return blocks.take_norm() if blocks else None
 
 
 @contextlib.contextmanager
-def _only(
-    optimizer: torch.optim.Optimizer, group_index: int, param: torch.Tensor
-) -> Iterator[None]:
-    """The optimizer restricted to `param`: its group's hyperparameters as they are now (the
-    learning rate the schedule last set), its state, its implementation. The hooks run one at a
-    time while the trainer waits in backward, so nothing else sees the swapped groups."""
+def _only(optimizer: torch.optim.Optimizer, params: list[Any]) -> Iterator[None]:
+    """The optimizer restricted to `params`: their groups' hyperparameters as they are now (the
+    learning rate the schedule last set), their state, its implementation. The hooks run one at
+    a time while the trainer waits in backward, so nothing else sees the swapped groups."""
+    chosen = {id(p) for p in params}
     groups = optimizer.param_groups
-    optimizer.param_groups = [{**groups[group_index], "params": [param]}]
+    restricted = [{**g, "params": [p for p in g["params"] if id(p) in chosen]} for g in groups]
+    optimizer.param_groups = [g for g in restricted if g["params"]]
     try:
         yield
     finally:
@@ -158,7 +190,8 @@ WOULD_STEP_BEFORE_REDUCE = (
     "each parameter would step before its gradient is reduced over the processes"
 )
 STAGE = Stage(
-    "opt_in_backward", "step", lambda ctx: apply_opt_in_backward(ctx.optimizer, ctx.guard),
+    "opt_in_backward", "step",
+    lambda ctx: apply_opt_in_backward(ctx.optimizer, ctx.guard, ctx.model),
     plan=_plan,
     conflicts={
         "accum": "a step per micro-batch would not be the step of their summed gradients",

@@ -63,7 +63,7 @@ def test_the_stages_are_applied_in_the_order_of_stages(monkeypatch, listed) -> N
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16))
     assert opt.apply_model_stages(model, cfg.opt, plan, SINGLE) is model
     optimizer = torch.optim.AdamW(model.parameters())
-    opt.apply_optimizer_stages(optimizer, plan, NonFiniteGuard(SINGLE.device, SINGLE, 3))
+    opt.apply_optimizer_stages(optimizer, plan, NonFiniteGuard(SINGLE.device, SINGLE, 3), model)
     with_defaults = {s.name for s in opt.STAGES if s.unselected}  # tf32's reset, DDP's default
     assert calls == [s for s in opt.ORDER if s in listed or s in with_defaults]
 
@@ -77,7 +77,7 @@ def test_the_step_in_backward_owns_its_step() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    opt.apply_optimizer_stages(optimizer, plan, NonFiniteGuard(SINGLE.device, SINGLE, 3))
+    opt.apply_optimizer_stages(optimizer, plan, NonFiniteGuard(SINGLE.device, SINGLE, 3), model)
     x = torch.randint(0, 16, (2, 4))
     grads = torch.autograd.grad(model(x, x)[1], list(model.parameters()))
     expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
