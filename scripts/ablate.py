@@ -113,7 +113,7 @@ def strategy(stages: list[str], gpus: int) -> str:
 
 def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
     """What each step runs: its stages and overrides (after the workload's), accumulated when the
-    ladder is cumulative, less the stages it drops, and its processes."""
+    ladder is cumulative, less the stages it drops (and their knobs), and its processes."""
     base = list(ladder.get("opt", []))
     overrides: list[str]
     plans, stages, overrides = [], base, []
@@ -121,7 +121,10 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
         if not ladder.cumulative:
             stages, overrides = base, []
         stages = stages + [s for s in step.get("opt", []) if s not in stages]
-        stages = [s for s in stages if s not in step.get("drop", [])]
+        dropped = step.get("drop", [])
+        stages = [s for s in stages if s not in dropped]
+        # A dropped stage's knobs go with it (its config group is no longer composed).
+        overrides = [o for o in overrides if not o.startswith(tuple(f"opt.{d}." for d in dropped))]
         overrides = overrides + list(step.get("overrides", []))
         nproc, nnodes = step.get("nproc", 1), step.get("nnodes", 1)
         cap = step.get("memory_cap_gib")  # this step's only

@@ -172,15 +172,18 @@ def test_a_reference_row_is_compared_in_memory_and_speed() -> None:
     assert "| -50% | -50% | 0.80x |" in table  # vs prev, vs ac (memory), vs ac (tokens/s)
 
 
-def test_a_step_may_drop_earlier_stages() -> None:
+def test_a_step_may_drop_earlier_stages_and_their_knobs() -> None:
     ladder = OmegaConf.create({"cumulative": True, "steps": [
         {"name": "a", "opt": ["amp", "fused"]},
-        {"name": "b", "opt": ["lowbit"], "drop": ["fused"]},
+        {"name": "b", "opt": ["lowbit"], "drop": ["fused"], "overrides": ["opt.lowbit.bits=4"]},
         {"name": "c", "opt": ["ac"]},
+        {"name": "d", "opt": ["fused"], "drop": ["lowbit"]},
     ]})  # fmt: skip
-    assert [p["stages"] for p in ablate.step_plans(ladder)] == [
-        ["amp", "fused"], ["amp", "lowbit"], ["amp", "lowbit", "ac"]
+    plans = ablate.step_plans(ladder)
+    assert [p["stages"] for p in plans] == [
+        ["amp", "fused"], ["amp", "lowbit"], ["amp", "lowbit", "ac"], ["amp", "ac", "fused"]
     ]  # fmt: skip
+    assert [p["overrides"] for p in plans] == [[], *[["opt.lowbit.bits=4"]] * 2, []]
 
 
 def test_two_machines_are_two_agents_with_their_gpus(monkeypatch, tmp_path) -> None:
