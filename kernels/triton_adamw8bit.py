@@ -53,6 +53,23 @@ def _nearest_code(x, qmap_ptr):
 
 
 @triton.jit
+def _rounded_for(param_ptr, p, offsets, seed, STOCHASTIC_ROUND: tl.constexpr):
+    """The float32 weights `p` as the parameter's dtype. For bfloat16 weights the 16 bits that
+    bfloat16 drops decide the rounding, done on the bits so that it does not depend on the
+    conversion's mode: to nearest (ties to even), or with STOCHASTIC_ROUND up (away from zero)
+    with the probability of those bits, so that the rounding is unbiased (torchao's
+    bf16_stochastic_round, elementwise). The value is then exact in bfloat16."""
+    if param_ptr.dtype.element_ty == tl.bfloat16:
+        bits = p.to(tl.uint32, bitcast=True)
+        if STOCHASTIC_ROUND:
+            bits += tl.randint(seed, offsets.to(tl.uint32)) & 0xFFFF
+        else:
+            bits += 0x7FFF + ((bits >> 16) & 1)
+        p = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return p.to(param_ptr.dtype.element_ty)
+
+
+@triton.jit(do_not_specialize=["seed"])  # a new seed each step: one compiled kernel
 def _adamw_8bit_kernel(
     param_ptr,  # (n,) the weights, float32 or bfloat16: read, updated in place
     grad_ptr,  # (n,) the gradient
@@ -61,8 +78,10 @@ def _adamw_8bit_kernel(
     skip_ptr,  # () float32: nonzero skips the update (nothing is written)
     n_blocks,  # n // QBLOCK
     lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+    seed,  # the stochastic rounding's random stream (this step's)
     QBLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    STOCHASTIC_ROUND: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offsets = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
@@ -86,7 +105,9 @@ def _adamw_8bit_kernel(
     v = v + (1.0 - beta2) * (g * g - v)
     denom = tl.sqrt(v) / bias_correction2_sqrt + eps
     p = p - lr * (m / bias_correction1) / denom
-    tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        param_ptr + offsets, _rounded_for(param_ptr, p, offsets, seed, STOCHASTIC_ROUND), mask=mask
+    )
 
     # Each block's new scale is its absolute maximum (at least 1e-12); the codes the nearest
     # map entries to the moments over their scale.
@@ -100,30 +121,34 @@ def _adamw_8bit_kernel(
     tl.store(v_scale_ptr + rows, v_scale, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _adamw_kernel(
     param_ptr, grad_ptr, m_ptr, v_ptr,  # (n,) each; the moments float32
     skip_ptr,
     n,
     lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+    seed,
     BLOCK: tl.constexpr,
+    STOCHASTIC_ROUND: tl.constexpr,
 ):  # fmt: skip
-    """The same update with float32 moments: torchao keeps those for tensors under 4096
-    values (biases, LayerNorms)."""
+    """The same update with unquantized moments (the parameter's dtype): torchao keeps those
+    for tensors under 4096 values (biases, LayerNorms)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < tl.where(tl.load(skip_ptr) == 0.0, n, 0)
     p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offsets, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
+    m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     p = p - lr * weight_decay * p
     m = m + (1.0 - beta1) * (g - m)
     v = v + (1.0 - beta2) * (g * g - v)
     denom = tl.sqrt(v) / bias_correction2_sqrt + eps
     p = p - lr * (m / bias_correction1) / denom
-    tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
-    tl.store(m_ptr + offsets, m, mask=mask)
-    tl.store(v_ptr + offsets, v, mask=mask)
+    tl.store(
+        param_ptr + offsets, _rounded_for(param_ptr, p, offsets, seed, STOCHASTIC_ROUND), mask=mask
+    )
+    tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
 def adamw_update_(
@@ -139,11 +164,16 @@ def adamw_update_(
     eps: float,
     weight_decay: float,
     step: float,
+    stochastic_round: bool = False,
 ) -> None:
     """One AdamW step of `param` in place, unless `skip` (a float32 scalar on the parameter's
     device) is nonzero. `exp_avg`/`exp_avg_sq`: torchao's `OptimState8bit` (signed and
-    unsigned maps, blocks of 256) or float32 tensors of the parameter's shape; `step`: the
-    step count including this one. Every tensor contiguous."""
+    unsigned maps, blocks of 256) or tensors of the parameter's shape and dtype; `step`: the
+    step count including this one; `stochastic_round`: bfloat16 weights rounded stochastically
+    (a random stream drawn from torch's CPU generator: no device sync). Every tensor
+    contiguous."""
+    stochastic = stochastic_round and param.dtype is torch.bfloat16
+    seed = int(torch.randint(0, 2**31 - 1, ())) if stochastic else 0
     scalars = dict(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
         bias_correction1=1.0 - beta1**step, bias_correction2_sqrt=(1.0 - beta2**step) ** 0.5,
@@ -155,9 +185,11 @@ def adamw_update_(
             param, grad,
             exp_avg.codes, exp_avg.scale, exp_avg.qmap,
             exp_avg_sq.codes, exp_avg_sq.scale, exp_avg_sq.qmap,
-            skip, n_blocks, **scalars, QBLOCK=QBLOCK, ROWS=ROWS, num_warps=8,
+            skip, n_blocks, **scalars, seed=seed, QBLOCK=QBLOCK, ROWS=ROWS,
+            STOCHASTIC_ROUND=stochastic, num_warps=8,
         )  # fmt: skip
     else:
         _adamw_kernel[(triton.cdiv(n, FLAT_BLOCK),)](
-            param, grad, exp_avg, exp_avg_sq, skip, n, **scalars, BLOCK=FLAT_BLOCK, num_warps=4
-        )
+            param, grad, exp_avg, exp_avg_sq, skip, n, **scalars, seed=seed,
+            BLOCK=FLAT_BLOCK, STOCHASTIC_ROUND=stochastic, num_warps=4,
+        )  # fmt: skip

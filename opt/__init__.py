@@ -151,6 +151,8 @@ def apply_model_stages(model: GPT, opt: DictConfig, p: Plan, dist: Distributed) 
 
     `model` itself stays the plain module (changed in place), for checkpoints and sampling."""
     model.residual_dtype = p.residual_dtype  # opt.amp.residual (planned with the numerics)
+    if p.weights_dtype is not None:  # opt.lowbit.weights=bfloat16: before any stage wraps it
+        lowbit.store_matrices_in(model, p.weights_dtype)
     return _run("model", opt, Context(dist, p, model=model, module=model)) or model
 
 

@@ -40,8 +40,9 @@ from typing import Any, Literal
 import torch
 from omegaconf import DictConfig
 
-from opt.stage import Context, Stage
+from opt.stage import Context, Plan, Stage
 from recipe.distributed import log
+from recipe.errors import ConfigError
 
 TAG = "lowbit_bits"  # marks a quantized moment saved as its parts; its value: 8 or 4
 
@@ -113,6 +114,7 @@ def _lowbit_adamw(base: type[torch.optim.Optimizer], fused: bool) -> type[torch.
                             _no_skip(p.device) if found_inf is None else found_inf,
                             lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                             weight_decay=group["weight_decay"], step=float(state["step"]),
+                            stochastic_round=self.bf16_stochastic_round,
                         )  # fmt: skip
                         continue
                     grad, lr = p.grad, group["lr"]
@@ -210,10 +212,48 @@ def _map_state(state_dict: dict, convert: Callable[[Any, Any], Any]) -> dict:
 class Knobs:
     bits: Literal[8, 4]  # AdamW's moments in 8 or 4 bits
     impl: Literal["triton", "torchao"]  # triton: our fused kernel (8 bits, CUDA)
+    weights: Literal["float32", "bfloat16"]  # bfloat16: stored so, updates stochastically rounded
 
 
 def _apply(ctx: Context) -> None:
     ctx.plan.optimizer_class = apply_lowbit(ctx.knobs)
+    if ctx.knobs.weights == "bfloat16":
+        store_weights_in_bfloat16(ctx.plan)
+
+
+def store_matrices_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The model's parameters of two or more dimensions (the matmuls' weights, the embeddings:
+    all but 0.1% of GPT-2's) stored in `dtype`; the vectors (biases, LayerNorms) stay float32,
+    as LayerNorm needs its parameters in its input's dtype on every device."""
+    for param in model.parameters():
+        if param.dim() >= 2:
+            param.data = param.data.to(dtype)
+
+
+WEIGHTS_WHOLE_MODEL = ("tp", "pp", "fsdp")  # they shard or split the float32 model themselves
+
+
+def store_weights_in_bfloat16(plan: Plan) -> None:
+    """opt.lowbit.weights=bfloat16: the model's matrices and embeddings stored in bfloat16 (2
+    bytes a parameter instead of 4, their gradients too; `store_matrices_in`), each update
+    computed in float32 and rounded to bfloat16 stochastically (up with the probability of the
+    dropped bits), so that updates smaller than a bfloat16 step still move the weights on
+    average. It changes the math. The residual stream stays float32 unless
+    opt.amp.residual=compute."""
+    if plan.amp_dtype is not torch.bfloat16:
+        raise ConfigError(
+            "opt.lowbit.weights=bfloat16 computes in bfloat16 under autocast: add +opt=amp with "
+            "opt.amp.dtype=bfloat16"
+        )
+    splitting = [s for s in WEIGHTS_WHOLE_MODEL if s in plan.stages]
+    if splitting:
+        raise ConfigError(
+            f"opt.lowbit.weights=bfloat16 and +opt={splitting[0]}: the weights are cast on the "
+            "whole model of one process; use opt.lowbit.weights=float32 there"
+        )
+    plan.weights_dtype = torch.bfloat16
+    plan.residual_dtype = plan.residual_dtype or torch.float32
+    plan.optimizer_kwargs["bf16_stochastic_round"] = True  # torchao's update; ours reads it too
 
 
 OWN_IMPLEMENTATION = "torchao's low-bit AdamW is its own implementation"

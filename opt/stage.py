@@ -51,6 +51,7 @@ class Plan:
     pure_low_precision: bool = False  # FSDP casts the parameters to amp_dtype: no autocast
     scale_loss: bool = False  # float16: scale the loss so that small gradients survive
     residual_dtype: torch.dtype | None = None  # the residual stream's dtype; None: float32
+    weights_dtype: torch.dtype | None = None  # opt.lowbit.weights: the stored weights'; None: fp32
     amp_weight_cache: bool = True  # autocast caches its weight casts (opt.amp.weight_cache)
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW  # lowbit: torchao's
     optimizer_kwargs: dict = field(default_factory=dict)

@@ -815,6 +815,13 @@ def write_csv(rows: list[dict], path: Path) -> None:
             writer.writerow({**row, "stages": "+".join(row["stages"])})
 
 
+def in_ladder_order(plans: list[dict], rows: dict[str, dict]) -> list[dict]:
+    """The rows of the ladder's steps, in its order and numbered by it: a row kept from an
+    earlier call keeps its measurement but takes its step's place now (a step added before it
+    moves it down)."""
+    return [{**rows[p["name"]], "index": p["index"]} for p in plans if p["name"] in rows]
+
+
 def earlier_results(path: Path) -> tuple[dict[str, dict], list[dict]]:
     """The rows (by step name) and segments of an earlier call, which this one updates."""
     if not path.exists():
@@ -837,10 +844,11 @@ def report(path: Path) -> list[dict]:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         ladder = compose("ablate", overrides=[f"ladder={path.stem}"]).ladder
     result = json.loads(path.read_text())
-    chart(ladder, result["steps"], result["environment"], path.with_suffix(".png"))
-    table = markdown(ladder, result["steps"], result["environment"], result.get("segments", []))
+    steps = in_ladder_order(step_plans(ladder), {r["name"]: r for r in result["steps"]})
+    chart(ladder, steps, result["environment"], path.with_suffix(".png"))
+    table = markdown(ladder, steps, result["environment"], result.get("segments", []))
     print(table.split("\n## ")[0] + f"\n[ablate] chart: {path.with_suffix('.png')}", flush=True)
-    return result["steps"]
+    return steps
 
 
 def main(argv: list[str]) -> list[dict]:
@@ -887,7 +895,7 @@ def main(argv: list[str]) -> list[dict]:
             own = kept.get(anchor["name"])
             if own is None or own.get("call") == call:  # no row of its own yet: this is it
                 kept[anchor["name"]] = segment["anchor"]
-        rows = [kept[p["name"]] for p in plans if p["name"] in kept]
+        rows = in_ladder_order(plans, kept)
         # The segments some row still comes from, this one last (its anchor stands in for rows
         # of earlier calls).
         calls = {r.get("call") for r in rows}

@@ -174,6 +174,7 @@ class Setup:
     ddp: DictConfig | None  # DDP's knobs when several processes run without FSDP
     sharded: str = ""  # fsdp | offload | "" (not sharded)
     gathered: int = 4  # bytes per value of FSDP's all-gathered parameters
+    stored: int = 4  # bytes per value of the weights and their gradients (opt.lowbit.weights)
 
 
 def compose(overrides: list[str]) -> tuple[DictConfig, int, float | None]:
@@ -235,13 +236,14 @@ def plan_setup(cfg: DictConfig, nproc: int) -> Setup:
         tokens=p.micro_batch_size * cfg.model.block_size,
         micro_steps=p.micro_steps, defer_reduce=p.defer_reduce,
         compute=2 if amp else 4,
-        residual=2 if (p.residual_dtype is not None or pure) else 4,
+        residual=p.residual_dtype.itemsize if p.residual_dtype else 2 if pure else 4,
         autocast=amp and not pure, weight_cache=p.amp_weight_cache,
         step_in_backward=p.step_in_backward, optimizer=optimizer,
         ac=o.ac if "ac" in stages else None,
         custom_op=o.custom_op if "custom_op" in stages else None,
         ddp=(o.get("ddp") or opt.ddp.default_knobs()) if nproc > 1 and not sharded else None,
         sharded=sharded, gathered=2 if pure else 4,
+        stored=p.weights_dtype.itemsize if p.weights_dtype is not None else 4,
     )  # fmt: skip
 
 
@@ -255,27 +257,32 @@ def moments(**values: float) -> dict[str, float]:
 
 
 def weights(s: Shapes, u: Setup) -> dict[str, float]:
-    """float32 master weights, 4 bytes per parameter. FSDP keeps 1/W of them per rank, and the
-    root (wte, wpe, ln_f: reshard_after_forward=False) whole from forward to backward's end.
-    Offload keeps none on the GPU but the root, unsharded during forward and backward (its
-    gathered blocks are comm_buckets)."""
+    """float32 master weights, 4 bytes per parameter (2 with opt.lowbit.weights=bfloat16: the
+    vectors' float32, 0.1% of GPT-2's parameters, is not modelled). FSDP keeps 1/W of them per
+    rank, and the root (wte, wpe, ln_f: reshard_after_forward=False) whole from forward to
+    backward's end. Offload keeps none on the GPU but the root, unsharded during forward and
+    backward (its gathered blocks are comm_buckets)."""
     if u.sharded == "offload":
         return moments(all=4 * s.root, step=0)
     if u.sharded == "fsdp":
         shard = 4 * s.params / u.shards
         root = u.gathered * s.root * (u.shards - 1) / u.shards
         return moments(all=shard + root, step=shard)
-    return moments(all=4 * s.params)
+    return moments(all=u.stored * s.params)
 
 
 def gradients(s: Shapes, u: Setup) -> dict[str, float]:
     """float32 gradients, 4 bytes per parameter, from backward to the step (set to None after).
     With accumulation they live through the later micro-batches' forward too. In backward's last
-    block only the head's (wte: V x C) exist yet, all at its end. opt_in_backward frees each at
-    once: the largest (wte's) at a time. DDP's live in its buckets (comm_buckets)."""
-    everything, head = 4 * s.params, 4 * s.head
+    block only the head's (wte: V x C) exist yet, all at its end. opt_in_backward frees a
+    block's once the block has stepped: one block's at a time, the largest parameter (wte's) at
+    the end. DDP's live in its buckets (comm_buckets). In the weights' dtype (`stored`)."""
+    everything, head = u.stored * s.params, u.stored * s.head
     if u.step_in_backward:
-        return moments(all=0, loss_backward=head, backward_end=4 * max(s.sizes))
+        return moments(
+            all=0, loss_backward=head, backward=u.stored * s.block,
+            backward_end=u.stored * max(s.sizes),
+        )  # fmt: skip
     if u.ddp is not None and u.ddp.gradient_as_bucket_view:
         return moments(all=0)
     if u.sharded == "offload":  # copied to the host as produced: the root's and one block's
@@ -319,8 +326,8 @@ def optimizer_state(s: Shapes, u: Setup) -> dict[str, float]:
     state = lowbit_state(s.sizes, bits) if bits else 8 * s.params
     temporary = {"foreach": 4 * s.params, "forloop": 4 * max(s.sizes)}.get(u.optimizer, 0)
     shard = u.shards if u.sharded == "fsdp" else 1
-    if u.step_in_backward:  # each update in backward: one parameter's temporaries at a time
-        one = 4 * max(s.sizes) if temporary else 0  # foreach over a list of one: as the for-loop
+    if u.step_in_backward:  # each update in backward: one block's temporaries at a time
+        one = {"foreach": 4 * s.block, "forloop": 4 * max(s.sizes)}.get(u.optimizer, 0)
         return moments(all=state, backward_end=state + one)
     return moments(all=state / shard, step=(state + temporary) / shard)
 
@@ -424,8 +431,9 @@ def autocast_copies(s: Shapes, u: Setup) -> dict[str, float]:
     """Autocast's low-precision casts of the weights (compute-dtype bytes per matmul weight).
     With its cache on, every cast lives to the end of the forward (the autocast region);
     without checkpointing the matmuls save their casts for backward anyway (cache or not),
-    freed as backward passes each. The plain head saves its weight's cast for backward."""
-    if not u.autocast:
+    freed as backward passes each. The plain head saves its weight's cast for backward. Weights
+    stored in the compute dtype need no cast."""
+    if not u.autocast or u.stored == u.compute:
         return moments(all=0)
     every = u.compute * s.matmul
     head = u.compute * s.head if u.custom_op is None else 0
@@ -595,6 +603,8 @@ def fit(budget_gib: float) -> list[dict]:
         for row in measured_rows(FIT_GPU, ladder):
             if row.get("gpus", row.get("nproc", 1)) > 1 or not row.get("tokens_per_sec"):
                 continue
+            if row.get("memory_cap_gib"):  # a candidate measured under a card's limit: the check
+                continue  # of a pick, not another configuration
             overrides = row_overrides(row)
             p = predict_overrides(overrides)
             if p.peak_gib * RESERVED_OVER_ALLOCATED <= budget_gib:

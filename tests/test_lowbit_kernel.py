@@ -34,11 +34,16 @@ def _probe(device: str, interpreted: bool) -> dict[str, float]:
 
 
 def _check(result: dict[str, float], weights: float) -> None:
-    assert result["kernel_calls"] == 4 * 5, result  # 4 parameters, 4 steps and a skipped one
+    # 4 parameters, 4 steps and a skipped one; then 2 bfloat16 ones, stochastic and nearest
+    assert result["kernel_calls"] == 4 * 5 + 2 * 2, result
     assert result["weights_rel_error"] < weights, result
     assert result["codes_equal_fraction"] > 0.999, result  # a rounding tie may fall otherwise
     assert result["moments_rel_error"] < 0.02, result  # one code's step at most, where they differ
     assert result["skipped_step_unchanged"] == 1.0, result
+    for part in ("quantized", "plain"):  # 8-bit moments, and the small tensors' unquantized
+        assert result[f"nearest_triton_{part}"] == 0.0, result  # -1e-4 rounds back to 1.0
+        for impl in ("triton", "torchao"):  # unbiased: the mean step survives (4 sigma band)
+            assert -1.4e-4 < result[f"stochastic_{impl}_{part}"] < -0.6e-4, (impl, part, result)
 
 
 @needs_triton
@@ -68,16 +73,19 @@ def test_the_kernels_compile_for_an_h100(param_dtype: str) -> None:
     quantized = {"param_ptr": f"*{param_dtype}", "grad_ptr": "*fp32",
                  "m_codes_ptr": "*u8", "m_scale_ptr": "*fp32", "m_qmap_ptr": "*fp32",
                  "v_codes_ptr": "*u8", "v_scale_ptr": "*fp32", "v_qmap_ptr": "*fp32",
-                 "skip_ptr": "*fp32", "n_blocks": "i32", **scalars,
-                 "QBLOCK": "constexpr", "ROWS": "constexpr"}  # fmt: skip
+                 "skip_ptr": "*fp32", "n_blocks": "i32", **scalars, "seed": "i32",
+                 "QBLOCK": "constexpr", "ROWS": "constexpr",
+                 "STOCHASTIC_ROUND": "constexpr"}  # fmt: skip
     plain = {"param_ptr": f"*{param_dtype}", "grad_ptr": "*fp32", "m_ptr": "*fp32",
-             "v_ptr": "*fp32", "skip_ptr": "*fp32", "n": "i32", **scalars,
-             "BLOCK": "constexpr"}  # fmt: skip
+             "v_ptr": "*fp32", "skip_ptr": "*fp32", "n": "i32", **scalars, "seed": "i32",
+             "BLOCK": "constexpr", "STOCHASTIC_ROUND": "constexpr"}  # fmt: skip
     target = GPUTarget("cuda", 90, 32)
+    stochastic = param_dtype == "bf16"
     for fn, signature, constants, warps in [
-        (_adamw_8bit_kernel, quantized, {"QBLOCK": QBLOCK, "ROWS": ROWS}, 8),
-        (_adamw_kernel, plain, {"BLOCK": 1024}, 4),
-    ]:
+        (_adamw_8bit_kernel, quantized,
+         {"QBLOCK": QBLOCK, "ROWS": ROWS, "STOCHASTIC_ROUND": stochastic}, 8),
+        (_adamw_kernel, plain, {"BLOCK": 1024, "STOCHASTIC_ROUND": stochastic}, 4),
+    ]:  # fmt: skip
         source = ASTSource(fn=fn, signature=signature, constexprs=constants)
         compiled = triton_compile(source, target=target, options={"num_warps": warps})
         assert compiled.asm["cubin"], fn

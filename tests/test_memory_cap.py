@@ -35,8 +35,12 @@ def test_memory_xl_has_rows_capped_at_22_14_and_10_gib() -> None:
     assert {caps["cap22"], caps["cap14"], caps["cap10"]} == {22, 14, 10}
     assert all(caps[n] is None for n in ("lowbit", "offload", "bs128"))  # not carried over
     assert sorted(plans["cap22"]["stages"]) == sorted(plans["lowbit"]["stages"])
-    assert sorted(plans["cap14"]["stages"]) == sorted(plans["offload"]["stages"])
-    assert plans["cap10"]["stages"] == plans["cap14"]["stages"]
+    # Each smaller card: the lowbit row's stages, knobs that shrink it added one row at a time
+    assert plans["cap10"]["stages"] == plans["cap14"]["stages"] == plans["cap22"]["stages"]
+    assert plans["cap14"]["overrides"][-1] == "opt.amp.residual=compute"
+    assert plans["cap10"]["overrides"][-3:] == [
+        "opt.amp.residual=compute", "opt.lowbit.weights=bfloat16", "opt.lowbit.bits=4"
+    ]  # fmt: skip
     for name in ("cap22", "cap14", "cap10"):
         plan = plans[name]
         ((command, _),) = ablate.launches(plan, _ladder("memory_xl"), [], ROOT / "runs" / name)

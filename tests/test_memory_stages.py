@@ -479,3 +479,44 @@ def test_lowbit_end_to_end_compiled_checkpointed_and_resumed(tmp_path) -> None:
     expected = logged(tmp_path / "straight", "train/loss")
     assert logged(run, "train/loss") == expected
     assert expected[-1] < expected[0]
+
+
+def test_lowbit_bfloat16_weights_train_checkpoint_and_resume(tmp_path) -> None:
+    """opt.lowbit.weights=bfloat16: the weights are stored in bfloat16 (the checkpoint holds
+    them so), the run learns, and a resumed run (the random stream of the stochastic rounding
+    restored with the others) equals the uninterrupted one."""
+    args = ("+opt=[amp,lowbit,opt_in_backward]", "opt.amp.dtype=bfloat16",
+            "opt.lowbit.weights=bfloat16", "opt.lowbit.impl=torchao", NO_CLIP,
+            "train.checkpoint_interval=2", "train.eval_interval=2", "train.lr=1e-2",
+            *QUIET)  # fmt: skip
+    # eval_interval=2: the stopped run evaluates at its last step, before its checkpoint (a
+    # DataLoader's iterator draws from the random stream the rounding draws from), so the
+    # uninterrupted run must evaluate there too.
+    with torch.compiler.set_stance("force_eager"):
+        tiny_run(tmp_path / "straight", "train.max_steps=4", *args)
+        run = tmp_path / "resumed"
+        tiny_run(run, "train.max_steps=2", *args)
+        tiny_run(run, "train.max_steps=4", "train.resume=true")
+    weights = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)["model"]
+    assert all(
+        t.dtype == (torch.bfloat16 if t.dim() >= 2 else torch.float32) for t in weights.values()
+    )
+    expected = logged(tmp_path / "straight", "train/loss")
+    assert logged(run, "train/loss") == expected
+    assert expected[-1] < expected[0]
+
+
+def test_lowbit_bfloat16_weights_refuse_what_they_cannot_do() -> None:
+    def refused(*overrides: str) -> str:
+        with pytest.raises(ValueError) as error:
+            opt.plan(tiny_cfg("opt.lowbit.weights=bfloat16", NO_CLIP, *overrides), SINGLE)
+        return str(error.value)
+
+    assert "add +opt=amp with opt.amp.dtype=bfloat16" in refused("+opt=lowbit")
+    assert "add +opt=amp" in refused("+opt=[amp,lowbit]", "opt.amp.dtype=float16")
+    plan = opt.plan(
+        tiny_cfg("+opt=[amp,lowbit]", "opt.amp.dtype=bfloat16", "opt.lowbit.weights=bfloat16"),
+        SINGLE,
+    )
+    assert plan.weights_dtype is torch.bfloat16 and plan.residual_dtype is torch.float32
+    assert plan.optimizer_kwargs["bf16_stochastic_round"]

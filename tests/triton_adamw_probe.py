@@ -100,10 +100,30 @@ def compare(device: str, steps: int = 4) -> dict[str, float]:
         for p, (w, s) in zip(params["fused"], before, strict=True)
     )  # fmt: skip
     result["skipped_step_unchanged"] = float(unchanged)
-    result["kernel_calls"] = LAUNCHES[0]
+    return result
+
+
+def rounding(device: str) -> dict[str, float]:
+    """bfloat16 weights of 1.0 (bfloat16's step there: 2**-7), one step of -1e-4 each (Adam's
+    first step is the learning rate): to nearest they stay, stochastically they move by
+    -1e-4 on average. Returns each update's mean change."""
+    result = {}
+    for name, impl, stochastic in [("stochastic_triton", "triton", True),
+                                   ("stochastic_torchao", "torchao", True),
+                                   ("nearest_triton", "triton", False)]:  # fmt: skip
+        torch.manual_seed(0)
+        cls: Any = apply_lowbit(OmegaConf.create({"bits": 8, "impl": impl}))
+        weights = [torch.nn.Parameter(torch.ones(shape, dtype=torch.bfloat16, device=device))
+                   for shape in ((128, 256), (4000,))]  # fmt: skip
+        optimizer = cls(weights, lr=1e-4, weight_decay=0.0, bf16_stochastic_round=stochastic)
+        for w in weights:
+            w.grad = torch.ones_like(w)
+        optimizer.step()
+        for w, part in zip(weights, ("quantized", "plain"), strict=True):
+            result[f"{name}_{part}"] = (w.float() - 1.0).mean().item()
     return result
 
 
 if __name__ == "__main__":
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    print(json.dumps(compare(device)))
+    print(json.dumps({**compare(device), **rounding(device), "kernel_calls": LAUNCHES[0]}))
