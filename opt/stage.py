@@ -60,7 +60,8 @@ class Plan:
     tp_sequence_parallel: bool = False  # +opt=tp: the residual stream split over the sequence
     pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
     dp_replicas: int = 1  # +opt=fsdp's replicas: HSDP (Distributed.with_mesh)
-    step_in_backward: bool = False  # opt_in_backward: each parameter steps from its grad hook
+    step_in_backward: bool = False  # opt_in_backward: each block steps from its grad hooks
+    clip_in_backward: float = float("inf")  # opt_in_backward: train.grad_clip, lagged a step
 
     @property
     def micro_batch_size(self) -> int:
