@@ -906,6 +906,7 @@ def main(argv: list[str]) -> list[dict]:
         row = segment["anchor"] if plan is anchor else kept[plan["name"]]
         if row["status"] == "ok":
             row.update(profile_step(plan, ladder, cfg, runs_dir))
+            rows = in_ladder_order(plans, kept)
             errors = publish(ladder, rows, env, folder, [*segments, segment])
     with contextlib.suppress(Exception):  # a table that cannot be made is in `errors` already
         table = markdown(ladder, rows, env, [*segments, segment])
