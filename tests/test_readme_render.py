@@ -83,10 +83,28 @@ def test_memory_xl_is_relative_to_ac_and_marks_the_target(tmp_path: Path) -> Non
     ]  # fmt: skip
     path = _results(tmp_path, "memory_xl.json", steps)
     text = render_readme.render(_marked("memory_xl", path) + _marked("xl_target", path), tmp_path)
-    lowbit = "**`lowbit`** (torchao AdamW8bit, stepped in backward) instead"
+    lowbit = render_readme.XL_LABELS["lowbit"]
     assert f"| {lowbit} | **15.10 GiB** | 21,000 | 15,000–22,000 | 3 | **0.70x** |" in text
-    target = "-->15.10 GiB at 0.70x of the checkpointed bf16 run (target: ≤ 20 GiB at ≥ 0.6x), "
-    assert target + "16.00 GiB reserved<!-- /results:xl_target -->" in text
+    target = "-->15.10 GiB at 0.70x of the checkpointed bf16 run measured beside it (target: "
+    assert target + "≤ 20 GiB at ≥ 0.6x), 16.00 GiB reserved<!-- /results:xl_target -->" in text
+
+
+def test_a_row_of_another_call_is_compared_with_the_reference_measured_beside_it(
+    tmp_path: Path,
+) -> None:
+    """The reference row comes from one call; a row of a later call is divided by the reference
+    as re-measured in its own call (that call's anchor), on the same machine."""
+    base = {"status": "ok", "peak_reserved_gib": 16.0, "peak_allocated_gib": 15.0}
+    ac = {**base, "name": "ac", "tokens_per_sec": 30_000.0, "call": "1", "git_commit": "a"}
+    anchor = {**ac, "tokens_per_sec": 20_000.0, "call": "2", "git_commit": "b"}
+    lowbit = {**base, "name": "lowbit", "tokens_per_sec": 21_000.0, "call": "2",
+              "git_commit": "b"}  # fmt: skip
+    path = tmp_path / "docs/results/gpu/memory_xl.json"
+    path.parent.mkdir(parents=True)
+    segments = [{"call": "2", "steps": ["lowbit"], "anchor": anchor}]
+    path.write_text(json.dumps({"environment": {}, "steps": [ac, lowbit], "segments": segments}))
+    text = render_readme.render(_marked("memory_xl", str(path.relative_to(tmp_path))), tmp_path)
+    assert "| **1.05x** |" in text  # 21,000 / 20,000 beside it, not 21,000 / 30,000 = 0.70x
 
 
 def test_vs_nanogpt_renders_the_new_schema(tmp_path: Path) -> None:
