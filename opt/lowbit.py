@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import torch
 from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
 
 from opt.stage import Context, Plan, Stage
 from recipe.distributed import log
@@ -71,7 +72,11 @@ def apply_lowbit(cfg: DictConfig) -> type[torch.optim.Optimizer]:
 
 def runs_the_kernel(param: torch.Tensor) -> bool:
     """Whether opt.lowbit.impl=triton steps `param` with the Triton kernel: on CUDA, or on the
-    CPU under Triton's interpreter (TRITON_INTERPRET=1, the tests); elsewhere torchao's update."""
+    CPU under Triton's interpreter (TRITON_INTERPRET=1, the tests); elsewhere, and for the
+    sharded parameters of +opt=fsdp/tp (DTensors, whose local shards torchao's update handles),
+    torchao's update."""
+    if isinstance(param, DTensor):
+        return False
     return param.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 

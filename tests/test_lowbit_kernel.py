@@ -89,3 +89,18 @@ def test_the_kernels_compile_for_an_h100(param_dtype: str) -> None:
         source = ASTSource(fn=fn, signature=signature, constexprs=constants)
         compiled = triton_compile(source, target=target, options={"num_warps": warps})
         assert compiled.asm["cubin"], fn
+
+
+def test_sharded_parameters_take_torchaos_update(monkeypatch) -> None:
+    """A DTensor (+opt=fsdp/tp) is stepped by torchao's update, which handles its local shard;
+    a plain tensor by the kernel where it runs (CUDA, or the interpreter)."""
+    from torch.distributed.tensor import DTensor
+
+    from opt.lowbit import runs_the_kernel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    plain = torch.zeros(4)
+    sharded = torch.Tensor._make_wrapper_subclass(DTensor, (4,))  # the type is what counts
+    assert runs_the_kernel(plain) and not runs_the_kernel(sharded)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not runs_the_kernel(plain)  # a CPU tensor without the interpreter
