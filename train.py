@@ -233,6 +233,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     summary = logger.finish(summary, run_dir)
     distributed.log(closing_line(run_dir, step, max_steps))
     distributed.shutdown()
+    if folder:
+        folder.release()
     return summary
 
 

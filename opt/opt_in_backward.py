@@ -36,7 +36,6 @@ saving, each block's backward being its own graph).
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,7 +66,7 @@ def apply_opt_in_backward(
     # gets it, without a sync: there is nothing left to skip.
     optimizer.step = _stepped_in_backward  # type: ignore[method-assign,assignment]
     optimizer.reads_found_inf = True  # type: ignore[attr-defined]
-    _BLOCKS[optimizer] = blocks
+    optimizer.blocks_in_backward = blocks  # type: ignore[attr-defined]  # grad_norm_measured
     guard.partial_steps = True  # its error message: a bad step may be partly applied
     hooked = len(blocks.block_of)
     clipped = (
@@ -161,13 +160,12 @@ class _Blocks:
         return norm
 
 
-_BLOCKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Blocks] = weakref.WeakKeyDictionary()
-
-
 def grad_norm_measured(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     """The gradient norm of the step that `optimizer` took in backward; None for an optimizer
     that steps after backward (its gradients are all there to measure)."""
-    blocks = _BLOCKS.get(optimizer)
+    # On the optimizer, not in a module-level map: a weak map whose value (the blocks) holds its
+    # key (the optimizer) would keep the optimizer, the model and its memory alive for good.
+    blocks = getattr(optimizer, "blocks_in_backward", None)
     return blocks.take_norm() if blocks else None
 
 

@@ -162,6 +162,14 @@ class RunFolder:
                    else "drop train.resume to start the run again in it")
             )  # fmt: skip
 
+    def release(self) -> None:
+        """Gives the folder up once the run is over, so that another run of this process (a
+        resume, a test, a notebook) may take it without waiting for the collector to close
+        this one's lock."""
+        if not self._lock.closed:
+            self._lock.close()  # closing the file drops its flock
+        _held.discard(self.path.resolve())
+
     def cut_metrics(self, step: int) -> list[dict[str, Any]]:
         """Keeps the metrics logged up to `step` (and drops a torn last line); returns them."""
         path = self.path / METRICS

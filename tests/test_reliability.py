@@ -321,3 +321,18 @@ def test_wandb_auto_falls_back_to_offline_when_the_server_is_silent(
     assert time.time() - started < 60
     assert [call["mode"] for call in wandb_calls.init][-1] == "offline"
     assert list(tmp_path.glob("wandb/offline-run-*"))
+
+
+def test_a_finished_run_gives_its_folder_up_without_the_collector(tmp_path) -> None:
+    """train() releases the run folder's lock when it returns: a resume in the same process
+    takes the folder at once, even where the collector has not freed the finished run (its
+    hooks and optimizer form reference cycles that only it frees)."""
+    import gc
+
+    args = ("train.checkpoint_interval=2", "sample.num_samples=0", "wandb.mode=disabled")
+    gc.disable()
+    try:
+        tiny_run(tmp_path, "train.max_steps=2", *args)
+        tiny_run(tmp_path, "train.max_steps=4", "train.resume=true")
+    finally:
+        gc.enable()
