@@ -232,10 +232,17 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         final_samples(model, cfg, plan, dist, run_dir, step)
     summary = logger.finish(summary, run_dir)
     distributed.log(closing_line(run_dir, step, max_steps))
+    let_go(folder)
+    return summary
+
+
+def let_go(folder: rundir.RunFolder | None) -> None:
+    """The run is over: the process group is shut down, and rank 0's lock on the run folder
+    released, so that a later run of this process (a resume, a test) may take the folder at
+    once instead of waiting for the collector to free this run."""
     distributed.shutdown()
     if folder:
         folder.release()
-    return summary
 
 
 def validated(
