@@ -1,4 +1,4 @@
-"""The Triton kernels of +opt=lowbit's fused update (opt.lowbit.update=fused): AdamW over one
+"""The Triton kernels of +opt=lowbit's fused update (opt.lowbit.impl=triton): AdamW over one
 parameter in one launch, its moments either in torchao's 8-bit format or in float32.
 
 torchao's `AdamW8bit` steps each parameter through a compiled PyTorch function; GPT-2 XL has
@@ -53,6 +53,19 @@ def _nearest_code(x, qmap_ptr):
 
 
 @triton.jit
+def _adamw(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias_correction1,
+           bias_correction2_sqrt):  # fmt: skip
+    """One AdamW step in float32 of weights `p` with gradient `g` and moments `m`, `v`, as
+    torchao's single_param_adam writes it (lerp with a weight < 0.5 is start + weight * (end -
+    start)); returns the new weights and moments (the step uses the moments before rounding)."""
+    p = p - lr * weight_decay * p
+    m = m + (1.0 - beta1) * (g - m)
+    v = v + (1.0 - beta2) * (g * g - v)
+    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
+    return p - lr * (m / bias_correction1) / denom, m, v
+
+
+@triton.jit
 def _rounded_for(param_ptr, p, offsets, seed, STOCHASTIC_ROUND: tl.constexpr):
     """The float32 weights `p` as the parameter's dtype. For bfloat16 weights the 16 bits that
     bfloat16 drops decide the rounding, done on the bits so that it does not depend on the
@@ -98,13 +111,9 @@ def _adamw_8bit_kernel(
     m = tl.load(m_qmap_ptr + m_codes) * m_scale[:, None]
     v = tl.load(v_qmap_ptr + v_codes) * v_scale[:, None]
 
-    # AdamW in float32, as torchao's single_param_adam writes it (lerp with a weight < 0.5 is
-    # start + weight * (end - start)); the step uses the moments before they are rounded.
-    p = p - lr * weight_decay * p
-    m = m + (1.0 - beta1) * (g - m)
-    v = v + (1.0 - beta2) * (g * g - v)
-    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-    p = p - lr * (m / bias_correction1) / denom
+    p, m, v = _adamw(
+        p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt
+    )
     tl.store(
         param_ptr + offsets, _rounded_for(param_ptr, p, offsets, seed, STOCHASTIC_ROUND), mask=mask
     )
@@ -139,11 +148,9 @@ def _adamw_kernel(
     g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    p = p - lr * weight_decay * p
-    m = m + (1.0 - beta1) * (g - m)
-    v = v + (1.0 - beta2) * (g * g - v)
-    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-    p = p - lr * (m / bias_correction1) / denom
+    p, m, v = _adamw(
+        p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt
+    )
     tl.store(
         param_ptr + offsets, _rounded_for(param_ptr, p, offsets, seed, STOCHASTIC_ROUND), mask=mask
     )

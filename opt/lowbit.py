@@ -96,9 +96,12 @@ def _lowbit_adamw(base: type[torch.optim.Optimizer], fused: bool) -> type[torch.
             with torch.enable_grad():
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)  # the guard's verdict, on the device
+        bad = None if found_inf is None else found_inf.bool()
         # As torchao does: one graph per parameter shape, a fixed number, so no cache limit.
         with torch._dynamo.utils.disable_cache_limit():
             for group in self.param_groups:
+                # torchao reads no flag: a bad step is zeros at learning rate 0 (_zero_lr_unless)
+                lr = group["lr"] if bad is None else _zero_lr_unless(group["lr"], bad)
                 for p in group["params"]:
                     if p.grad is None:
                         continue
@@ -112,9 +115,7 @@ def _lowbit_adamw(base: type[torch.optim.Optimizer], fused: bool) -> type[torch.
                     state["step"] += 1
                     beta1, beta2 = group["betas"]
                     if fused and runs_the_kernel(p) and not group["amsgrad"]:
-                        from kernels.triton_adamw8bit import adamw_update_
-
-                        adamw_update_(
+                        _kernel().adamw_update_(
                             p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"],
                             _no_skip(p.device) if found_inf is None else found_inf,
                             lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -122,9 +123,7 @@ def _lowbit_adamw(base: type[torch.optim.Optimizer], fused: bool) -> type[torch.
                             stochastic_round=self.bf16_stochastic_round,
                         )  # fmt: skip
                         continue
-                    grad, lr = p.grad, group["lr"]
-                    if found_inf is not None:  # torchao reads no flag: zeros at learning rate 0
-                        grad, lr = _zero_lr_unless(grad, lr, found_inf.bool())
+                    grad = p.grad if bad is None else p.grad.masked_fill(bad, 0.0)
                     update(
                         p.detach(), grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
                         state.get("max_exp_avg_sq"), lr, beta1, beta2,
@@ -151,14 +150,21 @@ def _no_skip(device: torch.device) -> torch.Tensor:
     return torch.zeros((), device=device)
 
 
-def _zero_lr_unless(
-    grad: torch.Tensor, lr: torch.Tensor, bad: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """torchao's update cannot skip on a device flag and a host read of `bad` would stall every
-    hook of +opt=opt_in_backward (measured on GPT-2 XL: the GPU idled 65% of the step). So a bad
-    step becomes a zero gradient at learning rate 0: the weights stay exactly as they were, the
-    moments decay one step (as for a zero gradient), the step count advances."""
-    return grad.masked_fill(bad, 0.0), torch.where(bad, 0.0, lr.to(bad.device))
+@functools.cache
+def _kernel() -> Any:
+    """kernels/triton_adamw8bit.py, imported on first use (CPU installs need no triton)."""
+    from kernels import triton_adamw8bit
+
+    return triton_adamw8bit
+
+
+def _zero_lr_unless(lr: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """A group's learning rate for torchao's update, which cannot skip on a device flag (and a
+    host read of `bad` would stall every hook of +opt=opt_in_backward: measured on GPT-2 XL, the
+    GPU idled 65% of the step). A bad step is a zero gradient (each parameter's, masked in
+    `step`) at learning rate 0: the weights stay exactly as they were, the moments decay one
+    step (as for a zero gradient), the step count advances. Once per group and step."""
+    return torch.where(bad, 0.0, lr.to(bad.device))
 
 
 def _quantized_types() -> tuple[Any, Any]:  # torchao's classes (untyped)

@@ -153,10 +153,11 @@ class _Blocks:
                 self.ready[index] = []
         norm = self.sq_sum.sqrt()
         self.sq_sum = torch.zeros_like(self.sq_sum)
-        # The next step's clipping, as clip_grad_norm_ computes it, from this step's norm; a
-        # step whose norm is not finite (skipped) leaves it as it was.
-        coef = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
-        self.clip_coef = torch.where(torch.isfinite(norm), coef, self.clip_coef)
+        if self.max_norm < float("inf"):
+            # The next step's clipping, as clip_grad_norm_ computes it, from this step's norm;
+            # a step whose norm is not finite (skipped) leaves it as it was.
+            coef = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
+            self.clip_coef = torch.where(torch.isfinite(norm), coef, self.clip_coef)
         return norm
 
 
