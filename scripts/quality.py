@@ -6,6 +6,12 @@ their final validation losses compared by a significance test, against a toleran
     python scripts/quality.py --out docs/results/<gpu>/quality            # 3 seeds per arm
     python scripts/quality.py --out q --seeds 5 --candidate "+opt=[...]" device=cpu
     python scripts/quality.py --report docs/results/<gpu>/quality.json    # its .md and .png again
+    python scripts/quality.py --out q_a --candidate "A" --out q_b --candidate "B"  # one reference
+
+Several candidates (`--out` given again, each with its own `--candidate` and `--title`, paired
+in order) share one reference: its runs are made once, interleaved with every candidate's
+(reference seed 0, A seed 0, B seed 0, reference seed 1, ...), and each candidate gets its own
+report against them, so judging N changes costs N + 1 arms instead of 2N.
 
 Writes <out>.json (every run's curve and command, each arm's mean, std and range, the test),
 <out>.md and <out>.png: every seed's curve, named by its arm's configuration, and below them the
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,13 +56,25 @@ RESAMPLES = 10_000  # the bootstrap's, without scipy
 
 
 def run(name: str, stages: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One training run of an arm with `train.seed=seed`: its validation curve and speed."""
+    """One training run of an arm with `train.seed=seed`: its validation curve and speed. A run
+    that an interrupted call of the same command finished in `--runs-dir` is read, not repeated
+    (a GPU call cut off by its time limit goes on where it stopped)."""
     run_dir = Path(args.runs_dir).resolve() / f"{name}-seed{seed}"
     command = [sys.executable, "train.py", *shlex.split(WORKLOAD), *shlex.split(stages),
                *args.extra, f"train.seed={seed}", f"hydra.run.dir={run_dir}",
                f"wandb.name=quality-{name}-seed{seed}"]  # fmt: skip
-    print("[quality]", shlex.join(command), flush=True)
-    subprocess.run(command, cwd=ROOT, check=True)
+    done = run_dir / "quality_run.json"  # written once the run finished: its command
+    what = [word for word in command[1:] if not word.startswith("hydra.run.dir=")]
+    if done.exists():
+        if json.loads(done.read_text())["command"] != what:
+            sys.exit(f"[quality] {run_dir} holds a finished run of another command: give this "
+                     "judgment its own --runs-dir")  # fmt: skip
+        print(f"[quality] {run_dir.name}: finished by an earlier call, reused", flush=True)
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run cut off before it finished: again
+        print("[quality]", shlex.join(command), flush=True)
+        subprocess.run(command, cwd=ROOT, check=True)
+        done.write_text(json.dumps({"command": what}))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
@@ -280,11 +299,12 @@ def _gap_limits(gaps: list[float], tolerance: float) -> tuple[float, float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="<out>.json, .md, .png")
+    parser.add_argument("--out", type=Path, action="append",
+                        help="<out>.json, .md, .png (again for another candidate)")  # fmt: skip
     parser.add_argument("--report", type=Path, help="a report's .json: its .md and .png again")
     parser.add_argument("--reference", default=REFERENCE, help="the plain bf16 stages")
-    parser.add_argument("--candidate", default=CANDIDATE, help="the stages judged")
-    parser.add_argument("--title", default=TITLE)
+    parser.add_argument("--candidate", action="append", help="the stages judged (one per --out)")
+    parser.add_argument("--title", action="append", help="the report's title (one per --out)")
     parser.add_argument("--seeds", type=int, default=3, help="runs per arm, train.seed 1337...")
     parser.add_argument("--tolerance", type=float, default=0.02, help="nats, final val loss")
     parser.add_argument("--alpha", type=float, default=0.05, help="the test's significance level")
@@ -293,6 +313,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.out is None) == (args.report is None):
         parser.error("give --out <path> (run and report) or --report <report.json>")
+    if args.out is not None:
+        n = len(args.out)
+        args.candidate = args.candidate or [CANDIDATE]
+        if len(args.candidate) != n or len(args.title or [None] * n) != n:
+            parser.error(
+                f"{n} --out, {len(args.candidate)} --candidate, {len(args.title or [])} "
+                "--title: give each --out its --candidate (and its --title, if any)"
+            )
+        titles = [TITLE] if n == 1 else [f"`{c}` against plain bfloat16" for c in args.candidate]
+        args.title = args.title or titles
+        names = [out.name for out in args.out]
+        if n > 1 and (len(set(names)) < n or "reference" in names):
+            parser.error(f"--out {names}: several candidates need reports of different names")
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: give at least 1 (3 or more for a test)")
     return args
@@ -306,19 +339,36 @@ def main(argv: list[str] | None = None) -> None:
         chart(result, args.report.with_suffix(".png"))
         print(f"[quality] {args.report.with_suffix('.md')}, {args.report.with_suffix('.png')}")
         return
-    stages = {"reference": args.reference, "candidate": args.candidate}
+    judged = candidates(args)
+    stages = {"reference": args.reference, **{arm: c for arm, (_, c, _) in judged.items()}}
     seeds = [FIRST_SEED + i for i in range(args.seeds)]
     runs = run_interleaved(stages, seeds, args)
     env = environment(["python", "scripts/quality.py", *(sys.argv[1:] if argv is None else argv)])
-    result = {"title": args.title, "workload": WORKLOAD, "arms": stages, "seeds": seeds,
-              "tolerance": args.tolerance, "alpha": args.alpha, "runs": runs,
-              **judge(runs, args.tolerance, args.alpha), "environment": env}  # fmt: skip
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    lines = render(result)
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    chart(result, args.out.with_suffix(".png"))
-    print("\n".join(lines))
-    sys.exit(0 if result["passed"] else 1)
+    passed = True
+    for arm, (out, candidate, title) in judged.items():
+        pair = {"reference": runs["reference"], "candidate": runs[arm]}
+        result = {"title": title, "workload": WORKLOAD,
+                  "arms": {"reference": args.reference, "candidate": candidate}, "seeds": seeds,
+                  "tolerance": args.tolerance, "alpha": args.alpha, "runs": pair,
+                  **judge(pair, args.tolerance, args.alpha), "environment": env}  # fmt: skip
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+        lines = render(result)
+        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        chart(result, out.with_suffix(".png"))
+        print("\n".join(lines))
+        passed &= result["passed"]
+    sys.exit(0 if passed else 1)
+
+
+def candidates(args: argparse.Namespace) -> dict[str, tuple[Path, str, str]]:
+    """{arm: (out, candidate stages, title)}: one candidate is the arm `candidate`; several are
+    named by their reports (`--out q_lowbit` runs as `q_lowbit-seed1337`)."""
+    if len(args.out) == 1:
+        return {"candidate": (args.out[0], args.candidate[0], args.title[0])}
+    return {
+        out.name: (out, c, t)
+        for out, c, t in zip(args.out, args.candidate, args.title, strict=True)
+    }
 
 
 if __name__ == "__main__":

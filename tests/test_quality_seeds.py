@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,3 +144,61 @@ def test_a_real_run_of_two_seeds_and_two_arms(tmp_path) -> None:
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == names
     assert [list(r["val_loss"]) for r in result["runs"]["reference"]] == [["0", "2"]] * 2
     assert result["difference"]["p"] is not None and out.returncode == (not result["passed"])
+
+
+def test_several_candidates_share_one_reference(tmp_path, monkeypatch) -> None:
+    """Two --out/--candidate pairs: the reference runs once per seed, interleaved with both, and
+    each candidate gets its own report against those same reference runs."""
+    finals = {"reference": REFERENCE, "q_close": CLOSE, "q_shifted": SHIFTED}
+    order = _fake_runs(monkeypatch, finals)
+    with pytest.raises(SystemExit) as exit_:
+        quality.main(["--seeds", "2", "--out", str(tmp_path / "q_close"), "--candidate", "+a",
+                      "--out", str(tmp_path / "q_shifted"), "--candidate", "+b"])  # fmt: skip
+    assert order == [("reference", 0), ("q_close", 0), ("q_shifted", 0),
+                     ("reference", 1), ("q_close", 1), ("q_shifted", 1)]  # fmt: skip
+    report = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("q_close", "q_shifted"))
+    close, shifted = report
+    assert close["runs"]["reference"] == shifted["runs"]["reference"]
+    assert close["arms"] == {"reference": quality.REFERENCE, "candidate": "+a"}
+    assert close["final"]["candidate"] == CLOSE[:2] and shifted["final"]["candidate"] == SHIFTED[:2]
+    assert close["title"] == "`+a` against plain bfloat16"
+    assert (tmp_path / "q_shifted.md").exists() and (tmp_path / "q_close.png").exists()
+    assert exit_.value.code == (not (close["passed"] and shifted["passed"]))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--out", "a", "--out", "b", "--candidate", "+x"],  # a candidate missing
+     ["--out", "a", "--candidate", "+x", "--out", "b", "--candidate", "+y", "--title", "t"],
+     ["--out", "d/a", "--candidate", "+x", "--out", "e/a", "--candidate", "+y"]],  # same names
+)  # fmt: skip
+def test_unpaired_or_clashing_candidates_are_refused(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        quality.parse_args(argv)
+    assert exit_.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_a_call_cut_off_goes_on_where_it_stopped(tmp_path, monkeypatch) -> None:
+    """Finished runs (their marker written after train.py returned) are read again, not rerun;
+    a run cut off before its marker starts afresh; a finished run of another command is refused."""
+    launched: list[str] = []
+
+    def fake_train(command, cwd, check):
+        run_dir = Path(next(w for w in command if w.startswith("hydra.run.dir=")).split("=", 1)[1])
+        assert not run_dir.exists()  # a cut-off run's leftovers were cleared
+        run_dir.mkdir(parents=True)
+        launched.append(run_dir.name)
+        (run_dir / "metrics.jsonl").write_text('{"step": 4, "val/loss": 5.0}\n')
+        (run_dir / "summary.json").write_text('{"perf/tokens_per_sec": 1.0}')
+
+    monkeypatch.setattr(quality.subprocess, "run", fake_train)
+    args = quality.parse_args(["--out", "q", "--runs-dir", str(tmp_path)])
+    quality.run("reference", "+opt=[amp]", 1337, args)
+    (tmp_path / "candidate-seed1337").mkdir()  # cut off: metrics, no marker
+    (tmp_path / "candidate-seed1337" / "metrics.jsonl").write_text('{"step": 2}\n')
+    quality.run("candidate", "+opt=[amp]", 1337, args)
+    again = quality.run("reference", "+opt=[amp]", 1337, args)
+    assert launched == ["reference-seed1337", "candidate-seed1337"]
+    assert again["val_loss"] == {4: 5.0}
+    with pytest.raises(SystemExit, match="another command"):
+        quality.run("reference", "+opt=[fused]", 1337, args)
