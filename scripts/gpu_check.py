@@ -2,7 +2,7 @@
 (conf/ablate/ladder/smoke.yaml: GPT-2 124M compiled in bfloat16, + the fused head, + activation
 checkpointing) compared with the last accepted `docs/results/<gpu>/check.json`.
 
-    python scripts/gpu_check.py            # about 5 minutes on an H100
+    python scripts/gpu_check.py            # about 9 minutes on a fresh H100 (tests 4, ladder 5)
     python scripts/gpu_check.py --accept   # a first run, or numbers that moved on purpose
 
 CI runs on CPUs only, so this is how GPU code gets run: whenever a change touches code a GPU
