@@ -346,17 +346,22 @@ def test_the_triton_kernel_compiles_for_an_h100(dtype: str) -> None:
     from kernels.triton_cross_entropy import _cross_entropy_rows_kernel
 
     signature = {"logits_ptr": f"*{dtype}", "targets_ptr": "*i64", "losses_ptr": "*fp32",
-                 "vocab_size": "i32", "N_COLS": "constexpr", "BLOCK": "constexpr",
-                 "ONE_PASS": "constexpr", "WRITE_GRAD": "constexpr"}  # fmt: skip
-    for block, one_pass, write_grad in [(8192, False, True), (8192, False, False),
-                                        (65536, True, True), (65536, True, False)]:  # fmt: skip
+                 "grad8_ptr": "*fp8e5", "vocab_size": "i32", "N_COLS": "constexpr",
+                 "BLOCK": "constexpr", "ONE_PASS": "constexpr", "WRITE_GRAD": "constexpr",
+                 "WRITE_GRAD8": "constexpr", "GRAD8_SCALE": "constexpr"}  # fmt: skip
+    # (block, one pass, write the gradient, and its float8 copy): every branch of the kernel.
+    variants = [(8192, False, True, False), (8192, False, False, False),
+                (65536, True, True, False), (65536, True, False, False),
+                (8192, False, True, True), (65536, True, True, True)]  # fmt: skip
+    for block, one_pass, write_grad, write_grad8 in variants:
         constants = {"N_COLS": 50304, "BLOCK": block, "ONE_PASS": one_pass,
-                     "WRITE_GRAD": write_grad}  # fmt: skip
+                     "WRITE_GRAD": write_grad, "WRITE_GRAD8": write_grad8,
+                     "GRAD8_SCALE": 1024.0}  # fmt: skip
         source = ASTSource(fn=_cross_entropy_rows_kernel, signature=signature, constexprs=constants)
         compiled = triton_compile(
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16}
         )
-        assert compiled.asm["cubin"], (block, one_pass, write_grad)
+        assert compiled.asm["cubin"], (block, one_pass, write_grad, write_grad8)
 
 
 # ---- on a GPU: the Triton path at GPT-2's shapes, and a compiled training step
