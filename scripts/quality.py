@@ -7,11 +7,18 @@ their final validation losses compared by a significance test, against a toleran
     python scripts/quality.py --out q --seeds 5 --candidate "+opt=[...]" device=cpu
     python scripts/quality.py --report docs/results/<gpu>/quality.json    # its .md and .png again
     python scripts/quality.py --out q_a --candidate "A" --out q_b --candidate "B"  # one reference
+    python scripts/quality.py --out q --jobs 4       # 4 runs at a time on one GPU
 
 Several candidates (`--out` given again, each with its own `--candidate` and `--title`, paired
 in order) share one reference: its runs are made once, interleaved with every candidate's
 (reference seed 0, A seed 0, B seed 0, reference seed 1, ...), and each candidate gets its own
 report against them, so judging N changes costs N + 1 arms instead of 2N.
+
+`--jobs N` trains N runs at a time, in the same interleaved order (each run's output in its
+folder's `quality_stdout.log`). A 300-step run of GPT-2 124M keeps an H100 busy for only a
+third of its ~45 s (start-up and compilation are the rest, on the host), so 4 at a time judge
+18 runs in about a third of the time. The losses do not depend on it (the math is the same);
+the speeds do, so a report of shared runs shows none.
 
 Writes <out>.json (every run's curve and command, each arm's mean, std and range, the test),
 <out>.md and <out>.png: every seed's curve, named by its arm's configuration, and below them the
@@ -32,6 +39,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +82,7 @@ def run(name: str, stages: str, seed: int, args: argparse.Namespace) -> dict[str
     else:
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut off before it finished: again
         print("[quality]", shlex.join(command), flush=True)
-        subprocess.run(command, cwd=ROOT, check=True)
+        train(command, run_dir, shared=args.jobs > 1)
         done.write_text(json.dumps({"command": what}))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -85,12 +94,44 @@ def run(name: str, stages: str, seed: int, args: argparse.Namespace) -> dict[str
     }
 
 
+def train(command: list[str], run_dir: Path, shared: bool) -> None:
+    """Runs train.py; beside other runs (`shared`), its output goes to the run's
+    `quality_stdout.log`, whose tail is shown if it fails."""
+    if not shared:
+        subprocess.run(command, cwd=ROOT, check=True)
+        return
+    run_dir.mkdir(parents=True)
+    log = run_dir / "quality_stdout.log"
+    with log.open("w") as out:
+        code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        print(f"[quality] {run_dir.name} failed (exit {code}); the end of {log}:\n{tail}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        raise subprocess.CalledProcessError(code, command)
+
+
 def run_interleaved(stages: dict[str, str], seeds: list[int], args: argparse.Namespace) -> dict:
-    """Every arm's runs, seed by seed: {arm: [run per seed]}."""
+    """Every arm's runs, seed by seed: {arm: [run per seed]}; `args.jobs` of them at a time,
+    started in that order. Once one fails no other starts (those running end), and it raises."""
+    order = [(name, arm_stages, seed) for seed in seeds for name, arm_stages in stages.items()]
+    failed = threading.Event()
+
+    def job(name: str, arm_stages: str, seed: int) -> dict[str, Any]:
+        if failed.is_set():  # after a failure, so later in the order: its result is never read
+            raise CancelledError
+        try:
+            return run(name, arm_stages, seed, args)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(job, *each) for each in order]
+        done = [future.result() for future in futures]  # raises at the failed run
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in stages}
-    for seed in seeds:
-        for name, arm_stages in stages.items():
-            runs[name].append(run(name, arm_stages, seed, args))
+    for (name, _, _), result in zip(order, done, strict=True):
+        runs[name].append(result)
     return runs
 
 
@@ -202,17 +243,20 @@ def render(result: dict[str, Any]) -> list[str]:
     runs, diff, tol = result["runs"], result["difference"], result["tolerance"]
     seeds = [s for s in result["seeds"] if s is not None]
     title = result.get("title", TITLE)
+    shared = result.get("jobs", 1) > 1  # runs beside each other: their speeds are not the arms'
     lines = [f"# Quality: {title}", "",
              f"Workload `{result['workload']}`; "
-             + (f"seeds {', '.join(map(str, seeds))} per arm, interleaved." if seeds
-                else "one seed (train.seed's default) per arm."), ""]  # fmt: skip
+             + (f"seeds {', '.join(map(str, seeds))} per arm, interleaved" if seeds
+                else "one seed (train.seed's default) per arm")
+             + (f"; {result['jobs']} runs at a time on one GPU, so no speeds." if shared
+                else "."), ""]  # fmt: skip
     lines += [f"- {name}: `{stages}`" for name, stages in result["arms"].items() if stages]
     lines += ["", "| arm | final val/loss per seed | mean ± std | min – max | tokens/s |",
               "|---|---|---|---|---|"]  # fmt: skip
     for name, arm_runs in runs.items():
         s = result["spread"][name]
         speeds = [r["tokens_per_sec"] for r in arm_runs if r.get("tokens_per_sec")]
-        speed = f"{sum(speeds) / len(speeds):,.0f}" if speeds else "–"
+        speed = f"{sum(speeds) / len(speeds):,.0f}" if speeds and not shared else "–"
         losses = ", ".join(f"{x:.4f}" for x in result["final"][name])
         lines.append(f"| {name} | {losses} | {s['mean']:.4f} ± {_fmt(s['std'])} | "
                      f"{s['min']:.4f} – {s['max']:.4f} | {speed} |")  # fmt: skip
@@ -306,6 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--candidate", action="append", help="the stages judged (one per --out)")
     parser.add_argument("--title", action="append", help="the report's title (one per --out)")
     parser.add_argument("--seeds", type=int, default=3, help="runs per arm, train.seed 1337...")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at a time (one GPU)")
     parser.add_argument("--tolerance", type=float, default=0.02, help="nats, final val loss")
     parser.add_argument("--alpha", type=float, default=0.05, help="the test's significance level")
     parser.add_argument("--runs-dir", default="outputs/quality")
@@ -328,6 +373,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--out {names}: several candidates need reports of different names")
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: give at least 1 (3 or more for a test)")
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give at least 1 (runs trained at a time)")
     return args
 
 
@@ -349,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         pair = {"reference": runs["reference"], "candidate": runs[arm]}
         result = {"title": title, "workload": WORKLOAD,
                   "arms": {"reference": args.reference, "candidate": candidate}, "seeds": seeds,
-                  "tolerance": args.tolerance, "alpha": args.alpha, "runs": pair,
+                  "tolerance": args.tolerance, "alpha": args.alpha, "jobs": args.jobs,
+                  "runs": pair,
                   **judge(pair, args.tolerance, args.alpha), "environment": env}  # fmt: skip
         out.with_suffix(".json").write_text(json.dumps(result, indent=2))
         lines = render(result)

@@ -183,7 +183,7 @@ def test_a_call_cut_off_goes_on_where_it_stopped(tmp_path, monkeypatch) -> None:
     a run cut off before its marker starts afresh; a finished run of another command is refused."""
     launched: list[str] = []
 
-    def fake_train(command, cwd, check):
+    def fake_train(command, cwd, check):  # train.py run alone (--jobs 1): its output shown
         run_dir = Path(next(w for w in command if w.startswith("hydra.run.dir=")).split("=", 1)[1])
         assert not run_dir.exists()  # a cut-off run's leftovers were cleared
         run_dir.mkdir(parents=True)
@@ -202,3 +202,71 @@ def test_a_call_cut_off_goes_on_where_it_stopped(tmp_path, monkeypatch) -> None:
     assert again["val_loss"] == {4: 5.0}
     with pytest.raises(SystemExit, match="another command"):
         quality.run("reference", "+opt=[fused]", 1337, args)
+
+
+def test_jobs_train_several_runs_at_a_time_in_order_each_result_to_its_seed(
+    tmp_path, monkeypatch
+) -> None:
+    """--jobs 3: runs start in the interleaved order, at most 3 at once (more than one really
+    is), finish out of order, and each result still lands on its arm and seed; the report says
+    the runs shared the GPU and shows no speeds."""
+    import threading
+    import time
+
+    started: list[tuple[str, int]] = []
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def fake(name, stages, seed, args):
+        with lock:
+            started.append((name, seed))
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05 * (1 + (seed + len(name)) % 3))  # unequal: they end out of order
+        with lock:
+            running[0] -= 1
+        final = {"reference": REFERENCE, "candidate": SHIFTED}[name][seed - quality.FIRST_SEED]
+        return {"seed": seed, "command": f"python train.py {stages} train.seed={seed}",
+                "val_loss": {0: 10.9, 4: final}, "tokens_per_sec": 1000.0}  # fmt: skip
+
+    monkeypatch.setattr(quality, "run", fake)
+    monkeypatch.setattr(quality, "environment", lambda command: {"command": " ".join(command)})
+    result, _ = _main(tmp_path, "--seeds", "4", "--jobs", "3")
+    seeds = [1337 + i for i in range(4)]
+    assert started[:3] == [("reference", 1337), ("candidate", 1337), ("reference", 1338)]
+    assert 1 < most[0] <= 3
+    assert [r["seed"] for r in result["runs"]["candidate"]] == seeds
+    assert result["final"] == {"reference": REFERENCE, "candidate": SHIFTED}
+    md = (tmp_path / "q.md").read_text()
+    assert result["jobs"] == 3 and "3 runs at a time on one GPU, so no speeds." in md
+    assert "| 1,000 |" not in md
+
+
+def test_a_shared_run_that_fails_shows_its_log_and_starts_no_other(tmp_path, monkeypatch, capsys):
+    """Beside others, train.py's output goes to the run's quality_stdout.log; a failure prints
+    its end and raises, and the runs not yet started are cancelled."""
+    launched: list[str] = []
+
+    def fake_train(command, cwd, stdout, stderr):
+        run_dir = Path(next(w for w in command if w.startswith("hydra.run.dir=")).split("=", 1)[1])
+        launched.append(run_dir.name)
+        stdout.write("loading\nTraceback: CUDA out of memory\n")
+        stdout.flush()
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(quality.subprocess, "run", fake_train)
+    args = quality.parse_args(["--out", "q", "--runs-dir", str(tmp_path), "--seeds", "3",
+                               "--jobs", "2"])  # fmt: skip
+    with pytest.raises(subprocess.CalledProcessError):
+        quality.run_interleaved(
+            {"reference": "+opt=[amp]", "candidate": "+x"}, [1337, 1338, 1339], args
+        )
+    assert "CUDA out of memory" in capsys.readouterr().err
+    assert "CUDA out of memory" in (tmp_path / launched[0] / "quality_stdout.log").read_text()
+    assert len(launched) <= 2  # those started before the failure: no other
+
+
+def test_jobs_below_one_are_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        quality.parse_args(["--out", "q", "--jobs", "0"])
+    assert exit_.value.code == 2 and "--jobs 0" in capsys.readouterr().err
