@@ -13,9 +13,10 @@ The update is the optimizer's own, restricted to the block: its class and implem
 (for-loop, foreach, fused, or +opt=lowbit's), its state, its current learning rate, so a run
 with this stage equals one without it when nothing needs all gradients at once. What does:
 - clipping by the global gradient norm: the norm needs every gradient before the first update.
-  Instead each block's gradients are scaled by min(1, train.grad_clip / the previous step's
-  norm) (the first step unclipped; train.grad_clip=inf: none). Clipping matters: with it off,
-  GPT-2 124M ended 0.19 nats worse on the plays after 300 steps (quality_noclip.md);
+  Instead each block's gradients are scaled by min(1, train.grad_clip / an estimate of the
+  step's norm: the blocks in so far exact, the others as last step; `_NormEstimate`)
+  (train.grad_clip=inf: none). Clipping matters: with it off, GPT-2 124M ended 0.19 nats worse
+  on the plays after 300 steps (quality_noclip.md);
 - accumulation (+opt=accum): each micro-batch's backward would step, not the sum of them;
 - DDP and FSDP: the hook fires before the gradient is reduced over the processes;
 - float16's GradScaler: it unscales and checks every gradient, then skips or steps them all.
@@ -54,10 +55,10 @@ def apply_opt_in_backward(
     max_norm: float = float("inf"),
 ) -> int:
     """Hooks every parameter of `optimizer` so that backward steps each of `model`'s blocks as
-    soon as the block's last gradient is ready (its gradients clipped by the last step's global
-    norm against `max_norm`), then frees the block's gradients, and makes
-    `optimizer.step()` do nothing (the trainer's step finds the work done, as with torchtitan's
-    in-backward optimizer container); returns the number of hooked parameters."""
+    soon as the block's last gradient is ready (its gradients clipped against `max_norm` by an
+    estimate of the step's global norm, `_NormEstimate`), then frees the block's gradients, and
+    makes `optimizer.step()` do nothing (the trainer's step finds the work done, as with
+    torchtitan's in-backward optimizer container); returns the number of hooked parameters."""
     blocks = _Blocks(optimizer, _blocks_of(optimizer, model), max_norm)
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -70,7 +71,7 @@ def apply_opt_in_backward(
     guard.partial_steps = True  # its error message: a bad step may be partly applied
     hooked = len(blocks.block_of)
     clipped = (
-        f", clipped to {max_norm:g} by the last step's norm" if max_norm < float("inf") else ""
+        f", clipped to {max_norm:g} by the step's estimated norm" if max_norm < float("inf") else ""
     )
     log(
         f"[opt] opt_in_backward: {hooked} parameters in {len(blocks.members)} blocks stepped by "
@@ -118,26 +119,29 @@ class _Blocks:
         self.ready: list[list[Any]] = [[] for _ in members]
         device = members[0][0].device
         self.sq_sum = torch.zeros((), device=device)  # the gradients' squared norm so far
-        self.clip_coef = torch.ones((), device=device)  # from the last step's norm (lagged)
+        self.clip = _NormEstimate(members, device) if max_norm < float("inf") else None
 
     def gradient_ready(self, param: torch.Tensor) -> None:
         """The post-accumulate-grad hook: the block steps once all its gradients are in."""
         index = self.block_of[param]
         self.ready[index].append(param)
         if len(self.ready[index]) == len(self.members[index]):
-            self._step(self.ready[index])
+            self._step(index, self.ready[index])
             self.ready[index] = []
 
-    def _step(self, params: list[Any]) -> None:
+    def _step(self, index: int, params: list[Any]) -> None:
         """The block's update unless one of its gradients is not finite (on the device with
         fused AdamW and +opt=lowbit's AdamW; one host sync per block with for-loop/foreach
         AdamW), then its gradients are dropped."""
         grads = [p.grad for p in params]
         norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
-        bad = ~torch.isfinite(norms).all()
-        self.sq_sum += norms.square().sum()
-        if self.max_norm < float("inf"):
-            torch._foreach_mul_(grads, self.clip_coef.to(grads[0].dtype))
+        squared = norms.square().sum()
+        bad = ~torch.isfinite(squared)
+        self.sq_sum += squared
+        if self.clip is not None:
+            estimate = self.clip.add(index, squared)
+            coef = (self.max_norm / (estimate + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_'s
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         with _only(self.optimizer, params):
             step_unless(self.optimizer, bad, self.real_step)
         for param in params:
@@ -149,16 +153,60 @@ class _Blocks:
         have."""
         for index, waiting in enumerate(self.ready):
             if waiting:
-                self._step(waiting)
+                self._step(index, waiting)
                 self.ready[index] = []
         norm = self.sq_sum.sqrt()
         self.sq_sum = torch.zeros_like(self.sq_sum)
-        if self.max_norm < float("inf"):
-            # The next step's clipping, as clip_grad_norm_ computes it, from this step's norm;
-            # a step whose norm is not finite (skipped) leaves it as it was.
-            coef = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
-            self.clip_coef = torch.where(torch.isfinite(norm), coef, self.clip_coef)
+        if self.clip is not None:
+            self.clip.next_step()
         return norm
+
+
+class _NormEstimate:
+    """The step's global gradient norm as well as it can be known when a block steps: the exact
+    norms of the blocks in so far, plus the last step's norms of those still to come. Backward
+    hands the blocks over from the last layer to the first, so the estimate tightens as it goes,
+    a gradient that spikes is clipped as soon as its block arrives, and in steady training it is
+    the norm `clip_grad_norm_` would see. On the first step, with no last step, the blocks still
+    to come are taken to have the squared norm per parameter of those in so far.
+
+    Why not the last step's norm alone (the first version): it leaves the first step, whose
+    gradients are the run's largest, unclipped, and AdamW's second moment then remembers them
+    for tens of steps (beta2 = 0.95), scaling the early updates down; and it sees a spike only a
+    step late."""
+
+    def __init__(self, members: list[list[Any]], device: torch.device) -> None:
+        self.sizes = [sum(p.numel() for p in block) for block in members]
+        self.last = torch.zeros(len(members), device=device)  # each block's squared norm
+        self.now = torch.zeros_like(self.last)
+        self.first = True
+        self._reset()
+
+    def _reset(self) -> None:
+        self.seen_sq = torch.zeros((), device=self.last.device)  # this step's, blocks in so far
+        self.seen_last = torch.zeros_like(self.seen_sq)  # the last step's, same blocks
+        self.seen_size = 0
+
+    def add(self, index: int, squared: torch.Tensor) -> torch.Tensor:
+        """Block `index` is in with this squared norm: the estimated global norm. A norm that is
+        not finite (the block skips its update) counts as its last step's, so that the other
+        blocks still step clipped as usual."""
+        squared = torch.where(torch.isfinite(squared), squared, self.last[index])
+        self.now[index] = squared
+        self.seen_sq += squared
+        self.seen_last += self.last[index]
+        self.seen_size += self.sizes[index]
+        if self.first:
+            estimate = self.seen_sq * (sum(self.sizes) / self.seen_size)
+        else:
+            estimate = self.seen_sq + (self.last.sum() - self.seen_last).clamp(min=0.0)
+        return estimate.sqrt()
+
+    def next_step(self) -> None:
+        """The step is over: its blocks' norms are the next one's "last step"."""
+        self.last, self.now = self.now, self.last
+        self.first = False
+        self._reset()
 
 
 def grad_norm_measured(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
@@ -187,7 +235,7 @@ def _only(optimizer: torch.optim.Optimizer, params: list[Any]) -> Iterator[None]
 
 def _plan(ctx: Context) -> None:
     """What the step in backward cannot do besides its conflicts: anything that needs every
-    gradient before the first update. Clipping is lagged instead (`_Blocks`)."""
+    gradient before the first update. Clipping uses an estimate of the norm (`_NormEstimate`)."""
     ctx.plan.clip_in_backward = ctx.cfg.train.grad_clip
     if ctx.plan.scale_loss:
         raise ConfigError(

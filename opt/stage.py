@@ -61,7 +61,7 @@ class Plan:
     pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
     dp_replicas: int = 1  # +opt=fsdp's replicas: HSDP (Distributed.with_mesh)
     step_in_backward: bool = False  # opt_in_backward: each block steps from its grad hooks
-    clip_in_backward: float = float("inf")  # opt_in_backward: train.grad_clip, lagged a step
+    clip_in_backward: float = float("inf")  # opt_in_backward: train.grad_clip, norm estimated
 
     @property
     def micro_batch_size(self) -> int:

@@ -16,6 +16,7 @@ import opt
 from conftest import CONF, logged, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
+from opt.opt_in_backward import _NormEstimate
 from recipe import distributed
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
@@ -152,29 +153,55 @@ def test_a_non_finite_loss_counts_the_step_as_bad(monkeypatch) -> None:
     assert int(guard.skipped) == 1
 
 
-def test_step_in_backward_clips_by_the_last_steps_norm() -> None:
+def test_step_in_backward_clips_by_the_steps_estimated_norm() -> None:
     """Clipping needs the global norm before the first update; in backward each block's
-    gradients are scaled by min(1, max_norm / the previous step's norm): the first step is
-    unclipped, the second sees exactly that factor."""
+    gradients are scaled by min(1, max_norm / an estimate of it): the blocks in so far exact,
+    those still to come as the last step's (on the first step: as the blocks in so far, per
+    parameter). The last block to step sees the exact norm, as clip_grad_norm_ would."""
     max_norm = 0.05
     model, optimizer, _, step = _trainer(
         "+opt=[fused,opt_in_backward]", f"train.grad_clip={max_norm}"
     )
-    seen: list[float] = []  # the squared norm of the gradients each block's update sees
+    estimate = optimizer.blocks_in_backward.clip
+    block_of = optimizer.blocks_in_backward.block_of
+    seen: list[tuple[int, float]] = []  # (block, the squared norm its update sees), in order
 
     def record(opt_, args, kwargs) -> None:
-        grads = [p.grad for g in opt_.param_groups for p in g["params"]]
-        seen.append(sum(float(g.float().square().sum()) for g in grads))
+        params = [p for g in opt_.param_groups for p in g["params"]]
+        seen.append((block_of[params[0]], sum(float(p.grad.square().sum()) for p in params)))
 
     optimizer.register_step_pre_hook(record)
     batch = torch.randint(0, 64, (4, 9))
-    _, first = step(batch, 1e-3)
-    assert sum(seen) ** 0.5 == pytest.approx(float(first), rel=1e-5)  # unclipped
-    assert float(first) > max_norm  # so the next step is clipped
-    seen.clear()
-    _, second = step(batch, 1e-3)
-    coef = max_norm / (float(first) + 1e-6)
-    assert sum(seen) ** 0.5 == pytest.approx(coef * float(second), rel=1e-5)
+    sizes = estimate.sizes
+    last = None
+    for _ in range(3):
+        seen.clear()
+        _, norm = step(batch, 1e-3)
+        raw = estimate.last.tolist()  # this step's squared norms per block, unclipped
+        assert sum(raw) ** 0.5 == pytest.approx(float(norm), rel=1e-5)
+        order = [block for block, _ in seen]
+        assert order[0] != order[-1] and len(order) == len(sizes)  # wte (tied) steps last
+        for i, (block, clipped) in enumerate(seen):
+            ins = order[: i + 1]
+            so_far = sum(raw[b] for b in ins)
+            if last is None:
+                expected = (so_far * sum(sizes) / sum(sizes[b] for b in ins)) ** 0.5
+            else:
+                expected = (so_far + sum(last[b] for b in range(len(sizes)) if b not in ins)) ** 0.5
+            coef = min(1.0, max_norm / (expected + 1e-6))
+            assert clipped == pytest.approx(coef**2 * raw[block], rel=1e-4)
+        assert expected == pytest.approx(float(norm), rel=1e-5)  # the last block: exact
+        assert coef < 1.0  # the toy's norm is above max_norm: every step clips
+        last = raw
+
+
+def test_a_block_that_skips_counts_as_its_last_norm_in_the_estimate() -> None:
+    estimate = _NormEstimate([[torch.zeros(3)], [torch.zeros(1)]], torch.device("cpu"))
+    assert float(estimate.add(0, torch.tensor(4.0))) == pytest.approx((4.0 * 4 / 3) ** 0.5)
+    assert float(estimate.add(1, torch.tensor(5.0))) == pytest.approx(3.0)
+    estimate.next_step()
+    assert float(estimate.add(1, torch.tensor(float("nan")))) == pytest.approx(3.0)  # as last
+    assert float(estimate.add(0, torch.tensor(1.0))) == pytest.approx(6.0**0.5)
 
 
 def test_step_in_backward_refuses_what_needs_every_gradient() -> None:
