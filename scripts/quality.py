@@ -25,10 +25,11 @@ Writes <out>.json (every run's curve and command, each arm's mean, std and range
 gap of the means at each evaluation against the tolerance band (a gap of 0.01 nats is invisible
 on a 5-11 nats loss axis). The verdict: "same within <tolerance> nats (p=...)" when the test finds
 no difference and the mean difference is within the tolerance; "different: Δ=... nats, p=..."
-when it finds one (p < alpha); else "inconclusive" (more seeds would tell). The test is Welch's t
+when it finds one (p < alpha), or "better: ..." when it finds the candidate's loss lower by more
+than the tolerance; else "inconclusive" (more seeds would tell). The test is Welch's t
 (scipy) or, without scipy, a seeded bootstrap of the difference of means; both give a 95%
-interval of the difference. Exits 0 when the candidate passes: "same", or a difference within
-the tolerance (also with one seed, untested).
+interval of the difference. Exits 0 when the candidate passes: "same", "better", or a difference
+within the tolerance (also with one seed, untested).
 """
 
 from __future__ import annotations
@@ -182,12 +183,14 @@ def _bootstrap(a: np.ndarray, b: np.ndarray, delta: float, confidence: float) ->
 
 
 def verdict(difference: dict, tolerance: float, alpha: float) -> tuple[str, str, bool]:
-    """(status, the sentence, passed): same, different, inconclusive, or one seed."""
+    """(status, the sentence, passed): same, better, different, inconclusive, or one seed."""
     delta, p = difference["delta"], difference["p"]
     within = abs(delta) <= tolerance
     if p is None:
         where = "within" if within else "OUTSIDE"
         return "one seed", f"Δ={delta:+.4f} nats, one seed (no test): {where} {tolerance}", within
+    if p < alpha and delta < -tolerance:  # learns better: what the tolerance guards against
+        return "better", f"better: Δ={delta:+.4f} nats, p={p:.3g} (lower loss)", True
     if p < alpha:
         where = "within" if within else "beyond"
         sentence = f"different: Δ={delta:+.4f} nats, p={p:.3g} ({where} the tolerance {tolerance})"

@@ -46,7 +46,7 @@ def test_the_quality_chart_names_both_configurations_and_draws_the_gap_band(figu
     band = gap.patches[0].get_extents().transformed(gap.transData.inverted())
     assert band.y0 == pytest.approx(-0.02) and band.y1 == pytest.approx(0.02)
     assert gap.get_ylim()[1] < 0.1  # the gap is visible: not on the 5-11 nats loss axis
-    assert "final gap -0.0074 nats: within" in gap.get_title()
+    assert "final gap +0.0011 nats: within" in gap.get_title()  # the mean of 3 seeds
 
 
 def test_the_memory_xl_chart_draws_its_target(figures) -> None:

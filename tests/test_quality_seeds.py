@@ -99,6 +99,9 @@ def test_without_scipy_a_seeded_bootstrap_tests_the_difference(tmp_path, monkeyp
          "tolerance 0.02)", False),
         (-0.008, 0.003, "different", "different: Δ=-0.0080 nats, p=0.003 (within the "
          "tolerance 0.02)", True),
+        (-0.0254, 0.0115, "better", "better: Δ=-0.0254 nats, p=0.0115 (lower loss)", True),
+        (-0.031, 0.2, "inconclusive", "inconclusive: Δ=-0.0310 nats, p=0.2: more seeds would "
+         "tell", False),
         (0.025, 0.2, "inconclusive", "inconclusive: Δ=+0.0250 nats, p=0.2: more seeds would "
          "tell", False),
         (0.009, None, "one seed", "Δ=+0.0090 nats, one seed (no test): within 0.02", True),
@@ -119,12 +122,12 @@ def test_the_report_shows_spread_interval_and_verdict(tmp_path, monkeypatch) -> 
 
 
 def test_a_one_seed_report_of_before_still_renders(tmp_path) -> None:
-    old = json.loads((ROOT / "docs/results/nvidia-h100-80gb-hbm3/quality_lowbit.json").read_text())
+    old = json.loads((ROOT / "docs/results/nvidia-h100-80gb-hbm3/quality.json").read_text())
     (tmp_path / "old.json").write_text(json.dumps(old))
     quality.main(["--report", str(tmp_path / "old.json")])
     md = (tmp_path / "old.md").read_text()
-    assert "- candidate: `+opt=[compile,amp,lowbit,tf32]`" in md
-    assert "**Δ=-0.0074 nats, one seed (no test): within 0.02**" in md
+    assert "- candidate: `+opt=[compile,amp,fused,tf32,custom_op] opt.amp.residual=compute`" in md
+    assert "**Δ=+0.0091 nats, one seed (no test): within 0.02**" in md
 
 
 @pytest.mark.slow
