@@ -12,7 +12,9 @@ and the results file it comes from:
 
 Kinds: `speed` (the speed ladder table), `memory` (the memory ladder table), `memory_range` (its
 first and last peak), `memory_xl` (GPT-2 XL's table), `xl_target` (its target row),
-`vs_nanogpt` (the headline against nanoGPT's bench.py and the ratios at equal batch and biases).
+`vs_nanogpt` (the headline against nanoGPT's bench.py and the ratios at equal batch and biases),
+`quality` (a quality report's verdict: the difference, the test, the seeds), `checkpoint_save`
+(how long an async save held the loop against a sync one).
 Rows with `repeats`, `interval` (tokens/s, [low, high]) and `within_noise` (their ratio's interval
 contains 1.00x) show them; a field a results file lacks renders as '—'. The labels of the rows
 (the step names the README uses) are in this file; every number comes from the json.
@@ -28,7 +30,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import vs_nanogpt  # a sibling script: its folder is first on sys.path
+import save_stall  # sibling scripts: their folder is first on sys.path
+import vs_nanogpt
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(
@@ -216,6 +219,23 @@ def nanogpt(result: dict) -> str:
     return vs_nanogpt.headline(result) + "\n\n" + vs_nanogpt.equal_work_table(result)
 
 
+def quality(result: dict) -> str:
+    """A scripts/quality.py report's verdict in a sentence: the difference of the final
+    validation losses, what the test says and the seeds behind it."""
+    diff, seeds = result["difference"], [s for s in result["seeds"] if s is not None]
+    status = result["status"]
+    said = f"same within {result['tolerance']} nats" if status == "same" else status
+    tested = f", p={diff['p']:.2g}" if diff.get("p") is not None else ""
+    n = len(seeds) or 1  # a one-seed report of before lists its seed as None
+    return f"{diff['delta']:+.3f} nats ({said}{tested}; {n} seed{'s' * (n > 1)} per arm)"
+
+
+def checkpoint_save(result: dict) -> str:
+    """How long the first save held the loop, async against sync (scripts/save_stall.py)."""
+    held = {mode: run["held_s"][str(save_stall.SAVE_STEP)] for mode, run in result["runs"].items()}
+    return f"{held['async']:.1f} s instead of {held['sync']:.1f} s"
+
+
 KINDS: dict[str, tuple[Callable[[dict], str], bool]] = {  # kind: (render, is a block)
     "speed": (speed, True),
     "memory": (memory, True),
@@ -223,6 +243,8 @@ KINDS: dict[str, tuple[Callable[[dict], str], bool]] = {  # kind: (render, is a 
     "memory_xl": (memory_xl, True),
     "xl_target": (xl_target, False),
     "vs_nanogpt": (nanogpt, True),
+    "quality": (quality, False),
+    "checkpoint_save": (checkpoint_save, False),
 }
 
 

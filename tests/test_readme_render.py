@@ -124,3 +124,18 @@ def test_a_wrong_marker_says_what_to_fix(tmp_path: Path) -> None:
     path = _results(tmp_path, "speed.json", [])
     with pytest.raises(SystemExit, match="unknown kind 'sped'"):
         render_readme.render(_marked("sped", path), tmp_path)
+
+
+def test_quality_and_checkpoint_save_sentences_come_from_their_reports(tmp_path) -> None:
+    """A quality report's verdict (the difference, what the test says, the seeds) and the async
+    save's hold against the sync one are rendered from their json files."""
+    report = {"difference": {"delta": -0.02541, "p": 0.01151}, "seeds": [1337, 1338, 1339],
+              "status": "better", "tolerance": 0.02}  # fmt: skip
+    assert render_readme.quality(report) == "-0.025 nats (better, p=0.012; 3 seeds per arm)"
+    same = {**report, "status": "same", "difference": {"delta": 0.0064, "p": 0.479}}
+    assert render_readme.quality(same).startswith("+0.006 nats (same within 0.02 nats, p=0.48")
+    one = {**report, "status": "one seed", "seeds": [None], "difference": {"delta": 0.009}}
+    assert render_readme.quality(one) == "+0.009 nats (one seed; 1 seed per arm)"
+    saves = {"runs": {"sync": {"held_s": {"20": 59.34, "30": 73.7}},
+                      "async": {"held_s": {"20": 15.58, "30": 32.3}}}}  # fmt: skip
+    assert render_readme.checkpoint_save(saves) == "15.6 s instead of 59.3 s"
