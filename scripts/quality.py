@@ -15,10 +15,10 @@ in order) share one reference: its runs are made once, interleaved with every ca
 report against them, so judging N changes costs N + 1 arms instead of 2N.
 
 `--jobs N` trains N runs at a time, in the same interleaved order (each run's output in its
-folder's `quality_stdout.log`). A 300-step run of GPT-2 124M keeps an H100 busy for only a
-third of its ~45 s (start-up and compilation are the rest, on the host), so 4 at a time judge
-18 runs in about a third of the time. The losses do not depend on it (the math is the same);
-the speeds do, so a report of shared runs shows none.
+folder's `quality_stdout.log`). A 300-step run of GPT-2 124M keeps an H100 busy for only part
+of its ~45 s (start-up and compilation are the rest, on the host): 4 at a time judged 21 runs
+in 431 s on an H100, half of their time one by one. The losses do not depend on it (the math
+is the same); the speeds do, so a report of shared runs shows none.
 
 Writes <out>.json (every run's curve and command, each arm's mean, std and range, the test),
 <out>.md and <out>.png: every seed's curve, named by its arm's configuration, and below them the
@@ -83,7 +83,7 @@ def run(name: str, stages: str, seed: int, args: argparse.Namespace) -> dict[str
     else:
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut off before it finished: again
         print("[quality]", shlex.join(command), flush=True)
-        train(command, run_dir, shared=args.jobs > 1)
+        launch(command, run_dir, shared=args.jobs > 1)
         done.write_text(json.dumps({"command": what}))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -95,7 +95,7 @@ def run(name: str, stages: str, seed: int, args: argparse.Namespace) -> dict[str
     }
 
 
-def train(command: list[str], run_dir: Path, shared: bool) -> None:
+def launch(command: list[str], run_dir: Path, shared: bool) -> None:
     """Runs train.py; beside other runs (`shared`), its output goes to the run's
     `quality_stdout.log`, whose tail is shown if it fails."""
     if not shared:
