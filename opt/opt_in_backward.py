@@ -177,7 +177,9 @@ class _NormEstimate:
 
     def __init__(self, members: list[list[Any]], device: torch.device) -> None:
         self.sizes = [sum(p.numel() for p in block) for block in members]
+        self.total_size = sum(self.sizes)
         self.last = torch.zeros(len(members), device=device)  # each block's squared norm
+        self.last_total = torch.zeros((), device=device)  # their sum: once per step, not block
         self.now = torch.zeros_like(self.last)
         self.first = True
         self._reset()
@@ -197,14 +199,15 @@ class _NormEstimate:
         self.seen_last += self.last[index]
         self.seen_size += self.sizes[index]
         if self.first:
-            estimate = self.seen_sq * (sum(self.sizes) / self.seen_size)
+            estimate = self.seen_sq * (self.total_size / self.seen_size)
         else:
-            estimate = self.seen_sq + (self.last.sum() - self.seen_last).clamp(min=0.0)
+            estimate = self.seen_sq + (self.last_total - self.seen_last).clamp(min=0.0)
         return estimate.sqrt()
 
     def next_step(self) -> None:
         """The step is over: its blocks' norms are the next one's "last step"."""
         self.last, self.now = self.now, self.last
+        self.last_total = self.last.sum()
         self.first = False
         self._reset()
 

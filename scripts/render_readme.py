@@ -232,7 +232,7 @@ def quality(result: dict) -> str:
 
 def checkpoint_save(result: dict) -> str:
     """How long the first save held the loop, async against sync (scripts/save_stall.py)."""
-    held = {mode: run["held_s"][str(save_stall.SAVE_STEP)] for mode, run in result["runs"].items()}
+    held = {mode: save_stall.first_save_held(run["held_s"]) for mode, run in result["runs"].items()}
     return f"{held['async']:.1f} s instead of {held['sync']:.1f} s"
 
 

@@ -64,17 +64,17 @@ def render(result: dict[str, Any]) -> str:
         after = run["step_ms_after"]
         lines.append(f"| {mode} | {held[SAVE_STEP]:.1f} s | {run['step_ms_before']:.0f} ms | "
                      f"{after:.0f} ms | {held.get(LAST_STEP, float('nan')):.1f} s |")  # fmt: skip
-    sync, async_ = (runs[m]["held_s"] for m in ("sync", "async"))
-    lines += ["", f"The asynchronous save held the loop {_at(async_):.1f} s instead of "
-              f"{_at(sync):.1f} s ({_at(sync) / _at(async_):.1f}x less).", "",
+    sync, async_ = (first_save_held(runs[m]["held_s"]) for m in ("sync", "async"))
+    lines += ["", f"The asynchronous save held the loop {async_:.1f} s instead of "
+              f"{sync:.1f} s ({sync / async_:.1f}x less).", "",
               "Commands:", "", *[f"- `{run['command']}`" for run in runs.values()], "",
               "Environment:", ""]  # fmt: skip
     lines += [f"- {key}: `{value}`" for key, value in result["environment"].items()]
     return "\n".join(lines) + "\n"
 
 
-def _at(held: dict) -> float:
-    """The hold of the save at SAVE_STEP (JSON keys are strings)."""
+def first_save_held(held: dict) -> float:
+    """The hold of the save at SAVE_STEP, from a run's `held_s` (JSON's keys are strings)."""
     return {int(k): v for k, v in held.items()}[SAVE_STEP]
 
 
