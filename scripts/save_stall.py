@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("extra", nargs="*", help="overrides for both runs (e.g. model=tiny)")
     args = parser.parse_args(argv)
     this_command = ["python", "scripts/save_stall.py", *(sys.argv[1:] if argv is None else argv)]
+    missing = [str(path) for path in args.from_metrics or () if not path.is_file()]
+    if missing:
+        parser.error(f"--from-metrics: no file {', '.join(missing)}: give two runs' metrics.jsonl")
     if args.from_metrics:
         earlier = args.out.with_suffix(".json")
         kept = dict(zip(MODES, args.from_metrics, strict=True))

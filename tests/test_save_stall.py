@@ -46,3 +46,12 @@ def test_a_real_pair_of_runs_on_the_cpu(tmp_path) -> None:
     assert "train.async_save=true" in result["runs"]["async"]["command"]
     assert not list(tmp_path.glob(".cs_*_run"))  # the checkpoints are gone
     assert "less)." in out.with_suffix(".md").read_text()
+
+
+def test_missing_metrics_files_are_refused_in_one_line(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        save_stall.main(["--out", str(tmp_path / "r"), "--from-metrics", "nope.jsonl",
+                         str(H100 / "checkpoint_save_async.metrics.jsonl")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--from-metrics: no file nope.jsonl" in err
+    assert not (tmp_path / "r.json").exists()
