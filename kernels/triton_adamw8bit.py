@@ -16,12 +16,17 @@ block's absolute maximum as its new scale, the nearest code by a branchless bina
 quality measured with torchao's update holds for this one.
 
 One program updates ROWS quantization blocks of 256 values, held as a (ROWS, 256) tile: a
-block's new scale is a reduction over its row. Imported only where it runs (CUDA, or Triton's
+block's new scale is a reduction over its row. One launch updates many tensors (a transformer
+block's, as +opt=opt_in_backward steps them): a table of their addresses, and a table saying
+which tensor and which rows each program takes (the multi-tensor launch of PyTorch's foreach
+optimizers, for this state). Imported only where it runs (CUDA, or Triton's
 interpreter in the tests): CPU installs need no triton.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -82,26 +87,18 @@ def _rounded_for(param_ptr, p, offsets, seed, STOCHASTIC_ROUND: tl.constexpr):
     return p.to(param_ptr.dtype.element_ty)
 
 
-@triton.jit(do_not_specialize=["seed"])  # a new seed each step: one compiled kernel
-def _adamw_8bit_kernel(
-    param_ptr,  # (n,) the weights, float32 or bfloat16: read, updated in place
-    grad_ptr,  # (n,) the gradient
-    m_codes_ptr, m_scale_ptr, m_qmap_ptr,  # the first moment: uint8 codes, scales, signed map
-    v_codes_ptr, v_scale_ptr, v_qmap_ptr,  # the second moment: the unsigned map
-    skip_ptr,  # () float32: nonzero skips the update (nothing is written)
-    n_blocks,  # n // QBLOCK
-    lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
-    seed,  # the stochastic rounding's random stream (this step's)
+@triton.jit
+def _step_8bit_rows(
+    param_ptr, grad_ptr,
+    m_codes_ptr, m_scale_ptr, m_qmap_ptr, v_codes_ptr, v_scale_ptr, v_qmap_ptr,
+    rows, row_mask,  # (ROWS,) the quantization blocks this program updates, and which exist
+    lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, seed,
     QBLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
     STOCHASTIC_ROUND: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    """AdamW on rows of one tensor whose moments are torchao's 8-bit state."""
     offsets = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
-    # A skipped step masks every row: nothing is read or written.
-    row_mask = rows < tl.where(tl.load(skip_ptr) == 0.0, n_blocks, 0)
     mask = row_mask[:, None]
-
     p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     m_codes = tl.load(m_codes_ptr + offsets, mask=mask, other=0).to(tl.int32)
@@ -130,11 +127,45 @@ def _adamw_8bit_kernel(
     tl.store(v_scale_ptr + rows, v_scale, mask=row_mask)
 
 
+@triton.jit(do_not_specialize=["seed"])  # a new seed each step: one compiled kernel
+def _adamw_8bit_kernel(
+    table_ptr,  # (tensors, 7) int64: param, grad, m codes, m scales, v codes, v scales, n_blocks
+    work_ptr,  # (programs, 2) int64: each program's tensor and its first quantization block
+    param_like_ptr, grad_like_ptr,  # the first tensor's: the dtypes of every one of them
+    m_qmap_ptr, v_qmap_ptr,  # the signed and unsigned maps (the same for every tensor)
+    skip_ptr,  # () float32: nonzero skips the update (nothing is written)
+    lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+    seed,  # the stochastic rounding's random stream (this step's; tensor t uses seed + t)
+    QBLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    STOCHASTIC_ROUND: tl.constexpr,
+):  # fmt: skip
+    tensor = tl.load(work_ptr + 2 * tl.program_id(0))
+    entry = table_ptr + 7 * tensor
+    rows = tl.load(work_ptr + 2 * tl.program_id(0) + 1) + tl.arange(0, ROWS)
+    # A skipped step masks every row: nothing is read or written.
+    row_mask = rows < tl.where(tl.load(skip_ptr) == 0.0, tl.load(entry + 6), 0)
+    _step_8bit_rows(
+        tl.load(entry).to(tl.pointer_type(param_like_ptr.dtype.element_ty)),
+        tl.load(entry + 1).to(tl.pointer_type(grad_like_ptr.dtype.element_ty)),
+        tl.load(entry + 2).to(tl.pointer_type(tl.uint8)),
+        tl.load(entry + 3).to(tl.pointer_type(tl.float32)),
+        m_qmap_ptr,
+        tl.load(entry + 4).to(tl.pointer_type(tl.uint8)),
+        tl.load(entry + 5).to(tl.pointer_type(tl.float32)),
+        v_qmap_ptr,
+        rows, row_mask,
+        lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+        seed + tensor, QBLOCK, STOCHASTIC_ROUND,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _adamw_kernel(
-    param_ptr, grad_ptr, m_ptr, v_ptr,  # (n,) each; the moments float32
+    table_ptr,  # (tensors, 5) int64: param, grad, m, v, n
+    work_ptr,  # (programs, 2) int64: each program's tensor and its first value
+    param_like_ptr, grad_like_ptr, moment_like_ptr,  # the dtypes of every tensor
     skip_ptr,
-    n,
     lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
     seed,
     BLOCK: tl.constexpr,
@@ -142,8 +173,14 @@ def _adamw_kernel(
 ):  # fmt: skip
     """The same update with unquantized moments (the parameter's dtype): torchao keeps those
     for tensors under 4096 values (biases, LayerNorms)."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < tl.where(tl.load(skip_ptr) == 0.0, n, 0)
+    tensor = tl.load(work_ptr + 2 * tl.program_id(0))
+    entry = table_ptr + 5 * tensor
+    param_ptr = tl.load(entry).to(tl.pointer_type(param_like_ptr.dtype.element_ty))
+    grad_ptr = tl.load(entry + 1).to(tl.pointer_type(grad_like_ptr.dtype.element_ty))
+    m_ptr = tl.load(entry + 2).to(tl.pointer_type(moment_like_ptr.dtype.element_ty))
+    v_ptr = tl.load(entry + 3).to(tl.pointer_type(moment_like_ptr.dtype.element_ty))
+    offsets = tl.load(work_ptr + 2 * tl.program_id(0) + 1) + tl.arange(0, BLOCK)
+    mask = offsets < tl.where(tl.load(skip_ptr) == 0.0, tl.load(entry + 4), 0)
     p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -152,17 +189,19 @@ def _adamw_kernel(
         p, g, m, v, lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt
     )
     tl.store(
-        param_ptr + offsets, _rounded_for(param_ptr, p, offsets, seed, STOCHASTIC_ROUND), mask=mask
+        param_ptr + offsets,
+        _rounded_for(param_ptr, p, offsets, seed + tensor, STOCHASTIC_ROUND),
+        mask=mask,
     )
     tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
 def adamw_update_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: Any,  # torchao's OptimState8bit (untyped) or a float32 tensor
-    exp_avg_sq: Any,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[Any],  # torchao's OptimState8bit (untyped) or float32 tensors
+    exp_avg_sqs: Sequence[Any],
     skip: torch.Tensor,
     *,
     lr: float,
@@ -173,30 +212,56 @@ def adamw_update_(
     step: float,
     stochastic_round: bool = False,
 ) -> None:
-    """One AdamW step of `param` in place, unless `skip` (a float32 scalar on the parameter's
-    device) is nonzero. `exp_avg`/`exp_avg_sq`: torchao's `OptimState8bit` (signed and
-    unsigned maps, blocks of 256) or tensors of the parameter's shape and dtype; `step`: the
-    step count including this one; `stochastic_round`: bfloat16 weights rounded stochastically
-    (a random stream drawn from torch's CPU generator: no device sync). Every tensor
-    contiguous."""
-    stochastic = stochastic_round and param.dtype is torch.bfloat16
-    seed = int(torch.randint(0, 2**31 - 1, ())) if stochastic else 0
+    """One AdamW step of every tensor of `params` in place, unless `skip` (a float32 scalar on
+    their device) is nonzero: one launch for those whose moments are torchao's `OptimState8bit`
+    (signed and unsigned maps, blocks of 256) and one for those with moments of their own shape
+    and dtype, however many tensors (a transformer block's 12: 2 launches instead of 12). The
+    tensors share a device, a dtype (their gradients one too) and `step`, the step count
+    including this one; `stochastic_round`: bfloat16 weights rounded stochastically (a random
+    stream drawn from torch's CPU generator: no device sync). Every tensor contiguous."""
+    if not params:
+        return
+    stochastic = stochastic_round and params[0].dtype is torch.bfloat16
+    seed = int(torch.randint(0, 2**30, ())) if stochastic else 0
     scalars = dict(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
         bias_correction1=1.0 - beta1**step, bias_correction2_sqrt=(1.0 - beta2**step) ** 0.5,
     )  # fmt: skip
-    n = param.numel()
-    if hasattr(exp_avg, "codes"):  # torchao's OptimState8bit
-        n_blocks = n // QBLOCK
-        _adamw_8bit_kernel[(triton.cdiv(n_blocks, ROWS),)](
-            param, grad,
-            exp_avg.codes, exp_avg.scale, exp_avg.qmap,
-            exp_avg_sq.codes, exp_avg_sq.scale, exp_avg_sq.qmap,
-            skip, n_blocks, **scalars, seed=seed, QBLOCK=QBLOCK, ROWS=ROWS,
-            STOCHASTIC_ROUND=stochastic, num_warps=8,
+    tensors = list(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True))
+    quantized = [t for t in tensors if hasattr(t[2], "codes")]
+    plain = [t for t in tensors if not hasattr(t[2], "codes")]
+    device = params[0].device
+    if quantized:
+        entries = [(p.data_ptr(), g.data_ptr(), m.codes.data_ptr(), m.scale.data_ptr(),
+                    v.codes.data_ptr(), v.scale.data_ptr(), p.numel() // QBLOCK)
+                   for p, g, m, v in quantized]  # fmt: skip
+        work = _work(tuple(e[-1] for e in entries), ROWS, device)
+        _adamw_8bit_kernel[(len(work),)](
+            _table(entries, device), work, quantized[0][0], quantized[0][1],
+            quantized[0][2].qmap, quantized[0][3].qmap, skip, **scalars, seed=seed,
+            QBLOCK=QBLOCK, ROWS=ROWS, STOCHASTIC_ROUND=stochastic, num_warps=8,
         )  # fmt: skip
-    else:
-        _adamw_kernel[(triton.cdiv(n, FLAT_BLOCK),)](
-            param, grad, exp_avg, exp_avg_sq, skip, n, **scalars, seed=seed,
-            BLOCK=FLAT_BLOCK, STOCHASTIC_ROUND=stochastic, num_warps=4,
+    if plain:
+        flat = [(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel())
+                for p, g, m, v in plain]  # fmt: skip
+        work = _work(tuple(e[-1] for e in flat), FLAT_BLOCK, device)
+        _adamw_kernel[(len(work),)](
+            _table(flat, device), work, plain[0][0], plain[0][1], plain[0][2], skip,
+            **scalars, seed=seed, BLOCK=FLAT_BLOCK, STOCHASTIC_ROUND=stochastic, num_warps=4,
         )  # fmt: skip
+
+
+def _table(rows: Sequence[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """The launch's table of addresses and sizes, on `device` (the gradients' addresses change
+    from step to step: made each launch; from pinned memory, without a sync)."""
+    table = torch.tensor(rows, dtype=torch.int64)
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+
+
+@functools.lru_cache(maxsize=256)
+def _work(units: tuple[int, ...], per_program: int, device: torch.device) -> torch.Tensor:
+    """Each program's (tensor, first unit): tensor t of `units[t]` units (quantization blocks,
+    or values) split into programs of `per_program` units. The shapes do not change from step
+    to step: made once per set of shapes."""
+    work = [(t, first) for t, n in enumerate(units) for first in range(0, n, per_program)]
+    return torch.tensor(work, dtype=torch.int64, device=device)

@@ -17,7 +17,9 @@ step for GPT-2 XL's 580 parameters, and left the GPU idle most of the memory_xl 
 The class returned here keeps torchao's state and math and updates each parameter either with
 torchao's function compiled once (`opt.lowbit.impl=torchao`, and 4 bits) or, by default, with
 our own Triton kernel (`impl=triton`, 8 bits on CUDA: kernels/triton_adamw8bit.py): one launch
-per parameter from plain pointers instead of ~0.5 ms of dynamo guards and graph launches each.
+for all of a group's 8-bit tensors and one for the small ones (with +opt=opt_in_backward, a
+transformer block's 12) from a table of pointers, instead of ~0.5 ms of dynamo guards and graph
+launches per parameter.
 
 Both read the non-finite guard's device flag `found_inf`, as fused AdamW does, so a bad step
 costs no host sync: the kernel writes nothing; torchao's update, which reads no flag, steps a
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -62,7 +65,7 @@ def apply_lowbit(cfg: DictConfig) -> type[torch.optim.Optimizer]:
     fused = cfg.impl == "triton" and cfg.bits == 8
     optimizer_class = _lowbit_adamw(base, fused)
     how = (
-        "one Triton kernel per parameter on CUDA (kernels/triton_adamw8bit.py)"
+        "our Triton kernel on CUDA, a launch for many tensors (kernels/triton_adamw8bit.py)"
         if fused
         else "torchao's update, compiled once"
     )
@@ -102,6 +105,10 @@ def _lowbit_adamw(base: type[torch.optim.Optimizer], fused: bool) -> type[torch.
             for group in self.param_groups:
                 # torchao reads no flag: a bad step is zeros at learning rate 0 (_zero_lr_unless)
                 lr = group["lr"] if bad is None else _zero_lr_unless(group["lr"], bad)
+                beta1, beta2 = group["betas"]
+                # Our kernel's tensors, by what one launch needs in common: {(device, dtypes,
+                # step): [(param, grad, exp_avg, exp_avg_sq)]}.
+                launches: dict[tuple, list[tuple]] = defaultdict(list)
                 for p in group["params"]:
                     if p.grad is None:
                         continue
@@ -113,15 +120,11 @@ def _lowbit_adamw(base: type[torch.optim.Optimizer], fused: bool) -> type[torch.
                         if group["amsgrad"]:
                             state["max_exp_avg_sq"] = self._new_buffer(p, False)
                     state["step"] += 1
-                    beta1, beta2 = group["betas"]
                     if fused and runs_the_kernel(p) and not group["amsgrad"]:
-                        _kernel().adamw_update_(
-                            p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"],
-                            _no_skip(p.device) if found_inf is None else found_inf,
-                            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                            weight_decay=group["weight_decay"], step=float(state["step"]),
-                            stochastic_round=self.bf16_stochastic_round,
-                        )  # fmt: skip
+                        key = (p.device, p.dtype, p.grad.dtype, float(state["step"]))
+                        launches[key].append(
+                            (p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"])
+                        )
                         continue
                     grad = p.grad if bad is None else p.grad.masked_fill(bad, 0.0)
                     update(
@@ -129,6 +132,14 @@ def _lowbit_adamw(base: type[torch.optim.Optimizer], fused: bool) -> type[torch.
                         state.get("max_exp_avg_sq"), lr, beta1, beta2,
                         group["weight_decay"], group["eps"], self.is_adamw,
                         self.bf16_stochastic_round and p.dtype is torch.bfloat16,
+                    )  # fmt: skip
+                for (device, *_, step), tensors in launches.items():
+                    _kernel().adamw_update_(
+                        *zip(*tensors, strict=True),
+                        _no_skip(device) if found_inf is None else found_inf,
+                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], step=step,
+                        stochastic_round=self.bf16_stochastic_round,
                     )  # fmt: skip
         return loss
 

@@ -1,7 +1,9 @@
 """Optional per-run profiling, switched on with `+prof=trace` or `+prof=memory`:
 
 - trace: a PyTorch profiler trace of a few steps (CPU ops and CUDA kernels) written to
-  `<run>/trace.json`; open it in https://ui.perfetto.dev or chrome://tracing.
+  `<run>/trace.json`; open it in https://ui.perfetto.dev or chrome://tracing. With
+  `prof.trace.cpu=false` only the kernels: the profiler's cost per CPU operator (tens of
+  microseconds) no longer lands in a host-bound step as GPU idle.
 - memory: a CUDA memory snapshot of the first steps (every allocation with its stack) written to
   `<run>/memory_snapshot.pickle`; drop it on https://pytorch.org/memory_viz.
 """
@@ -30,7 +32,12 @@ class Profiler:
             return
         if "trace" in prof:
             cfg = prof.trace
-            activities = [torch.profiler.ProfilerActivity.CPU]
+            if not cfg.cpu and device.type != "cuda":
+                raise ConfigError(
+                    "prof.trace.cpu=false records the GPU's kernels only: it needs device=cuda "
+                    "(drop it to trace the CPU's operators)"
+                )
+            activities = [torch.profiler.ProfilerActivity.CPU] if cfg.cpu else []
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.trace = torch.profiler.profile(

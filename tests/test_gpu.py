@@ -116,3 +116,21 @@ def test_prof_memory_writes_a_snapshot(tmp_path) -> None:
     train(tiny_cfg(*GPU_ARGS, "train.max_steps=4", "+prof=memory", "prof.memory.steps=2"), tmp_path)
     snapshot = pickle.loads((tmp_path / "memory_snapshot.pickle").read_bytes())
     assert snapshot["segments"] and snapshot["device_traces"]
+
+
+def test_prof_trace_of_the_kernels_only(tmp_path) -> None:
+    """prof.trace.cpu=false: the trace holds the GPU's kernels and no CPU operator, and
+    step_budget splits it over the active steps (first to last kernel)."""
+    import json
+
+    from conftest import load_script
+
+    step_budget = load_script("step_budget")
+    overrides = ("train.max_steps=8", "+prof=trace", "prof.trace.wait=2", "prof.trace.warmup=1",
+                 "prof.trace.active=2", "prof.trace.cpu=false")  # fmt: skip
+    train(tiny_cfg(*GPU_ARGS, *overrides), tmp_path)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    categories = {event.get("cat") for event in trace["traceEvents"]}
+    assert "kernel" in categories and "cpu_op" not in categories, categories
+    result = step_budget.budget(trace, steps=2)
+    assert result["timeline"] == "GPU" and 0 < result["busy_ms"] <= result["step_ms"]

@@ -200,3 +200,32 @@ def test_memory_peak_reads_a_snapshot(tmp_path) -> None:
     ]
     top, sites = memory_peak.peak({"device_traces": [trace], "segments": []})
     assert top == 400 and sites == {"gpt.py:7 forward": 100, "train.py:7 forward": 300}
+
+
+def test_prof_trace_cpu_false_records_the_gpus_kernels_only(tmp_path, monkeypatch) -> None:
+    """prof.trace.cpu=false: the profiler records CUDA activity alone (no CPU operators, whose
+    recording would show as GPU idle in a host-bound step); on a CPU run that is refused."""
+    from omegaconf import OmegaConf
+
+    from recipe import profiling
+
+    asked: dict = {}
+
+    class Recorder:
+        def __init__(self, **kwargs) -> None:
+            asked.update(kwargs)
+
+        def start(self) -> None:
+            asked["started"] = True
+
+    monkeypatch.setattr(profiling.torch.profiler, "profile", Recorder)
+    prof = OmegaConf.create({"trace": {"wait": 1, "warmup": 1, "active": 2, "record_shapes": False,
+                                       "with_stack": False, "cpu": False}})  # fmt: skip
+    profiling.Profiler(prof, tmp_path, torch.device("cuda"), enabled=True)
+    assert asked["activities"] == [torch.profiler.ProfilerActivity.CUDA] and asked["started"]
+    prof.trace.cpu = True
+    profiling.Profiler(prof, tmp_path, torch.device("cuda"), enabled=True)
+    assert torch.profiler.ProfilerActivity.CPU in asked["activities"]
+    prof.trace.cpu = False
+    with pytest.raises(ValueError, match=r"prof.trace.cpu=false records the GPU's kernels only"):
+        profiling.Profiler(prof, tmp_path, torch.device("cpu"), enabled=True)

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf  # noqa: E402
 import kernels.triton_adamw8bit as kernel  # noqa: E402
 from opt.lowbit import apply_lowbit  # noqa: E402
 
-LAUNCHES = [0]  # calls of the fused update: proof that impl=triton ran the kernel
+LAUNCHES = [0]  # calls of the fused update (each for several tensors): impl=triton ran it
 _real_update = kernel.adamw_update_
 
 
