@@ -237,7 +237,7 @@ def adamw_update_(
                    for p, g, m, v in quantized]  # fmt: skip
         work = _work(tuple(e[-1] for e in entries), ROWS, device)
         _adamw_8bit_kernel[(len(work),)](
-            _table(entries, device), work, quantized[0][0], quantized[0][1],
+            _table(tuple(entries), device), work, quantized[0][0], quantized[0][1],
             quantized[0][2].qmap, quantized[0][3].qmap, skip, **scalars, seed=seed,
             QBLOCK=QBLOCK, ROWS=ROWS, STOCHASTIC_ROUND=stochastic, num_warps=8,
         )  # fmt: skip
@@ -246,14 +246,17 @@ def adamw_update_(
                 for p, g, m, v in plain]  # fmt: skip
         work = _work(tuple(e[-1] for e in flat), FLAT_BLOCK, device)
         _adamw_kernel[(len(work),)](
-            _table(flat, device), work, plain[0][0], plain[0][1], plain[0][2], skip,
+            _table(tuple(flat), device), work, plain[0][0], plain[0][1], plain[0][2], skip,
             **scalars, seed=seed, BLOCK=FLAT_BLOCK, STOCHASTIC_ROUND=stochastic, num_warps=4,
         )  # fmt: skip
 
 
-def _table(rows: Sequence[tuple[int, ...]], device: torch.device) -> torch.Tensor:
-    """The launch's table of addresses and sizes, on `device` (the gradients' addresses change
-    from step to step: made each launch; from pinned memory, without a sync)."""
+@functools.lru_cache(maxsize=1024)
+def _table(rows: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
+    """The launch's table of addresses and sizes, on `device`. Gradients are freed after each
+    block's step and allocated again in the next backward, in the same order and sizes, so the
+    caching allocator mostly hands back the same addresses: a table is made (from pinned memory,
+    without a sync) only for addresses not seen before, and otherwise found by their values."""
     table = torch.tensor(rows, dtype=torch.int64)
     return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
 
