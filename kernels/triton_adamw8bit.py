@@ -5,7 +5,7 @@ torchao's `AdamW8bit` steps each parameter through a compiled PyTorch function; 
 580 of them, and each call costs ~0.5 ms of host time (dynamo's guards on the quantized state's
 tensor subclasses, the launch of the graph's kernels), as long as the GPU's whole step: the
 memory_xl `lowbit` row waited on the host (docs/results/nvidia-h100-80gb-hbm3/
-memory_xl_lowbit_budget.md). These kernels do the same update in one launch per parameter from
+memory_xl_lowbit_budget.md). These kernels do the same update in one launch for many tensors from
 plain pointers (tens of microseconds of host time), and skip on a device flag instead of a host
 read, so +opt=opt_in_backward can step a whole transformer block without waiting for the host.
 
