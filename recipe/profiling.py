@@ -2,8 +2,8 @@
 
 - trace: a PyTorch profiler trace of a few steps (CPU ops and CUDA kernels) written to
   `<run>/trace.json`; open it in https://ui.perfetto.dev or chrome://tracing. With
-  `prof.trace.cpu=false` only the kernels: the profiler's cost per CPU operator (tens of
-  microseconds) no longer lands in a host-bound step as GPU idle.
+  `prof.trace.cpu=false` only the kernels (a smaller trace; recording still costs host time per
+  kernel launch, which a host-bound step shows as GPU idle).
 - memory: a CUDA memory snapshot of the first steps (every allocation with its stack) written to
   `<run>/memory_snapshot.pickle`; drop it on https://pytorch.org/memory_viz.
 """

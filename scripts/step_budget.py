@@ -16,10 +16,11 @@ self time (nested operators count once) under the family of its outermost operat
 operator (Python, waiting for a batch). `scripts/ablate.py ... profile=true` uses `budget()` for
 every row of a ladder.
 
-Recording the CPU's operators costs host time per operator; in a step whose host barely keeps
-ahead of the GPU that cost shows as GPU idle. A trace of the kernels only
-(`prof.trace.cpu=false`) avoids it: without the profiler's step marks its window is the first
-to the last kernel, over `--steps` (the trace's `active` steps).
+Recording costs host time per CPU operator and per kernel launch; in a step whose host barely
+keeps ahead of the GPU that cost shows as GPU idle (GPT-2 XL's lowbit row: traced 1.2-1.3x its
+untraced step, with or without the CPU's operators). A trace of the kernels only
+(`prof.trace.cpu=false`) has no step marks: its window is the first to the last kernel, over
+`--steps` (the trace's `active` steps).
 
 The roofline column is a floor computed from the model's shapes (assumptions below), at the
 measured ceilings of the GPU (`--tflops`, `--tbps`): it says how far each family is from what
