@@ -4,9 +4,10 @@ console line, `metrics.jsonl` in the run folder, and wandb (offline unless you a
 Metric names (the same everywhere):
     step, train/loss, val/loss, train/lr, train/grad_norm, train/skipped_steps,
     perf/tokens_per_sec, perf/mfu (%), perf/step_ms, perf/data_wait_ms, perf/joules_per_token,
+    perf/gpu_busy (%),
     mem/peak_allocated_gib, mem/peak_reserved_gib
-The run's summary adds first_step_s, compile_s, compile_warm, goodput, data_wait_ms and
-joules_per_token (LoopMeter.summary).
+The run's summary adds first_step_s, compile_s, compile_warm, goodput, data_wait_ms,
+joules_per_token and gpu_busy (LoopMeter.summary).
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def summarize(step_ms: list[float], **kwargs: Any) -> dict[str, float | None]:
 
 class LoopMeter:
     """The training loop's measurements, kept out of the loop: step times (StepTimer), the host's
-    wait for batches (`batches.wait_s`, data.DeviceBatches), the GPU's energy, and the run's cold
+    wait for batches (`batches.wait_s`, data.DeviceBatches), the GPU's energy and busy share
+    (NVML), and the run's cold
     start and goodput. The loop calls `start()` when steps begin, `step()` after each step,
     `window()` at log points (its only sync) and `summary()` at the end; work that is not a step
     (logging, an evaluation, a checkpoint) runs under `with meter.paused():`. The summary's steps
@@ -166,11 +168,13 @@ class LoopMeter:
         self.first_measured = max(0, warmup_steps)  # the first measured step's index in step_ms
         self.step_ms: list[float] = []  # each step of this process, read at log points
         self.wait_ms: list[float] = []  # the host's wait for each step's batch
-        self.energy = energy_counter(device)  # joules so far, or None
+        self.gpu = gpu_counters(device)  # NVML's energy and utilization samples, or None
         self._waited = batches.wait_s
         self._loop_start: float | None = None  # seconds from launch to the first start()
-        self._stretch: tuple[float, int] | None = None  # (joules, steps) at the last start()
+        # At the last start(): (joules, steps, the host's clock in us), or None after a window.
+        self._stretch: tuple[float | None, int, int] | None = None
         self._measured_joules, self._measured_steps = 0.0, 0
+        self._measured_busy: list[float] = []  # the utilization samples of measured stretches
         self._cache = compile_cache_counts()
 
     def start(self) -> None:
@@ -179,7 +183,8 @@ class LoopMeter:
         if self._loop_start is None:  # after step 0's evaluation (its .item() syncs): GPU idle
             since_launch = seconds_since_launch()
             self._loop_start = self.clock() - self.started if since_launch is None else since_launch
-        self._stretch = (self.energy(), len(self.wait_ms)) if self.energy else None
+        if self.gpu:
+            self._stretch = (self.gpu.joules(), len(self.wait_ms), now_us())
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -195,34 +200,43 @@ class LoopMeter:
 
     def window(self) -> dict[str, float | None]:
         """The steps since the last log: throughput, the host's mean wait for a batch, joules per
-        token. Waits for the GPU to finish them."""
+        token, the GPU's busy share. Waits for the GPU to finish them."""
         step_ms = self.timer.read_ms()
         self.step_ms += step_ms
         return {
             **throughput(step_ms, **self.perf_args),
             "perf/data_wait_ms": statistics.fmean(self.wait_ms[-len(step_ms) :]),
-            "perf/joules_per_token": self._joules_per_token(),
+            **self._gpu_window(),
         }
 
-    def _joules_per_token(self) -> float | None:
-        """Over the steps since the last `start()`, read after a sync (work between two starts,
-        an evaluation, is left out); the stretches wholly measured add up for the summary. This
-        GPU's energy per token it trained on: the ranks alike."""
-        if self.energy is None or self._stretch is None or len(self.wait_ms) == self._stretch[1]:
-            return None
-        (joules, first), self._stretch = self._stretch, None
-        joules, steps = self.energy() - joules, len(self.wait_ms) - first
+    def _gpu_window(self) -> dict[str, float | None]:
+        """NVML's readings over the steps since the last `start()`, after a sync (work between
+        two starts, an evaluation, is left out); the stretches wholly measured add up for the
+        summary. This GPU's energy per token it trained on (the ranks alike), and the mean % of
+        time a kernel ran (`perf/gpu_busy`: 100 - the idle a trace would show, untraced)."""
+        out: dict[str, float | None] = {"perf/joules_per_token": None, "perf/gpu_busy": None}
+        if self.gpu is None or self._stretch is None or len(self.wait_ms) == self._stretch[1]:
+            return out
+        (then, first, since_us), self._stretch = self._stretch, None
+        steps, busy = len(self.wait_ms) - first, self.gpu.busy_since(since_us)
+        now = self.gpu.joules()
+        joules = now - then if now is not None and then is not None else None
         if first >= self.first_measured:
-            self._measured_joules += joules
-            self._measured_steps += steps
-        return joules / self._tokens(steps)
+            self._measured_busy += busy
+            if joules is not None:
+                self._measured_joules += joules
+                self._measured_steps += steps
+        out["perf/joules_per_token"] = None if joules is None else joules / self._tokens(steps)
+        out["perf/gpu_busy"] = statistics.fmean(busy) if busy else None
+        return out
 
     def _tokens(self, steps: int) -> float:
         return steps * self.perf_args["tokens_per_step"] / self.perf_args["world_size"]
 
     def summary(self) -> dict[str, Any]:
         """The run's numbers for summary.json: throughput over the measured steps, cold start,
-        goodput, the host's mean wait for a batch and joules per token over the measured steps."""
+        goodput, the host's mean wait for a batch, joules per token and the GPU's busy share over
+        the measured steps."""
         self.step_ms += self.timer.read_ms()  # steps after the last log (a stop) ran too
         measured = self.step_ms[self.first_measured :]
         out: dict[str, Any] = summarize(measured, **self.perf_args) if measured else {}
@@ -234,6 +248,8 @@ class LoopMeter:
         out["data_wait_ms"] = statistics.fmean(waits) if waits else None
         tokens = self._tokens(self._measured_steps)
         out["joules_per_token"] = self._measured_joules / tokens if tokens else None
+        busy = self._measured_busy
+        out["gpu_busy"] = statistics.fmean(busy) if busy else None
         return out
 
 
@@ -285,26 +301,77 @@ def compile_warm(before: dict[str, int]) -> bool | None:
     return None if hits + misses == 0 else misses == 0
 
 
-def energy_counter(device: torch.device) -> Callable[[], float] | None:
-    """A reader of the GPU's energy counter in joules (NVML's, in mJ since the driver loaded;
-    `pip install nvidia-ml-py`, the `gpu` extra), or None on a CPU, without pynvml, or where the
-    GPU has none (before Volta, MIG slices). Read only at the loop's sync points."""
+class GpuCounters:
+    """NVML's counters of one GPU (`pip install nvidia-ml-py`, the `gpu` extra), read only at the
+    loop's sync points: its energy (joules since the driver loaded) and its utilization samples
+    (the driver samples the GPU every 1/6 s to 1 s, the period depends on the product: each sample
+    is the % of its period in which a kernel ran, without a profiler's cost per launch). Either
+    is None where the GPU lacks it (energy before Volta; MIG slices have neither)."""
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self.nvml, self.handle = nvml, handle
+        self.has_energy = self._works(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+        self.has_busy = self._works(lambda: self._samples(0))
+
+    def _works(self, read: Callable[[], Any]) -> bool:
+        try:
+            read()
+        except self.nvml.NVMLError_NotFound:  # no samples yet: supported
+            return True
+        except self.nvml.NVMLError:
+            return False
+        return True
+
+    def _samples(self, since_us: int) -> list[tuple[int, int]]:
+        kind = self.nvml.NVML_GPU_UTILIZATION_SAMPLES
+        _, samples = self.nvml.nvmlDeviceGetSamples(self.handle, kind, since_us)
+        return [(s.timeStamp, s.sampleValue.uiVal) for s in samples]
+
+    def joules(self) -> float | None:
+        if not self.has_energy:
+            return None
+        return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1e3  # mJ
+
+    def busy_since(self, since_us: int) -> list[float]:
+        """The utilization samples (%) whose periods began after `since_us` (the host's wall
+        clock in microseconds, NVML's time stamps): the first sample after it is dropped, as its
+        period may begin before. [] when there are none or the GPU has no samples."""
+        if not self.has_busy:
+            return []
+        try:
+            samples = sorted(self._samples(since_us))
+        except self.nvml.NVMLError_NotFound:
+            return []
+        return [float(value) for stamp, value in samples[1:] if stamp > since_us]
+
+
+def now_us() -> int:
+    """The host's wall clock in microseconds, the clock of NVML's sample time stamps."""
+    return time.time_ns() // 1000
+
+
+def gpu_counters(device: torch.device) -> GpuCounters | None:
+    """NVML's counters of `device`, or None on a CPU, without pynvml, or where the GPU has
+    neither an energy counter nor utilization samples."""
     if device.type != "cuda":
         return None
     try:
         import pynvml
     except ImportError:
-        log("[perf] no pynvml (pip install nvidia-ml-py): joules_per_token is null")
+        log("[perf] no pynvml (pip install nvidia-ml-py): joules_per_token and gpu_busy are null")
         return None
     try:
         pynvml.nvmlInit()
         index = torch.cuda._get_nvml_device_index(device)  # CUDA_VISIBLE_DEVICES taken into account
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # raises where there is no counter
+        counters = GpuCounters(pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
     except (pynvml.NVMLError, RuntimeError, ValueError) as e:  # torch: an unmapped device
-        log(f"[perf] no energy counter on {device} ({e}): joules_per_token is null")
+        log(f"[perf] no NVML on {device} ({e}): joules_per_token and gpu_busy are null")
         return None
-    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
+    if not counters.has_energy:
+        log(f"[perf] no energy counter on {device}: joules_per_token is null")
+    if not counters.has_busy:
+        log(f"[perf] no utilization samples on {device}: gpu_busy is null")
+    return counters if counters.has_energy or counters.has_busy else None
 
 
 # How each metric appears on the console: label and format.
@@ -317,6 +384,7 @@ _CONSOLE = (
     ("perf/step_ms", "", "{:.1f} ms"),
     ("perf/tokens_per_sec", "", "{:,.0f} tok/s"),
     ("perf/mfu", "mfu", "{:.1f}%"),
+    ("perf/gpu_busy", "busy", "{:.0f}%"),
     ("mem/peak_allocated_gib", "mem", "{:.2f} GiB"),
     ("perf/checkpoint_s", "checkpoint", "{:.2f} s"),
 )

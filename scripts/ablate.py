@@ -95,12 +95,15 @@ NUMBERS = (
     ("train_loss", "train/loss"),
     ("val_loss", "val/loss"),
     ("measured_steps", "perf/measured_steps"),
-    # Cold start, goodput, input waits and energy (null where the trainer does not report them).
-    ("first_step_s", "perf/first_step_s"),
-    ("compile_s", "perf/compile_s"),
-    ("goodput", "perf/goodput"),
-    ("data_wait_ms", "perf/data_wait_ms"),
-    ("joules_per_token", "perf/joules_per_token"),
+    # Cold start, goodput, and over the measured steps: input waits, energy and the GPU's busy
+    # share (null where the trainer does not report them). Not perf/data_wait_ms and the like:
+    # those are the last log window's.
+    ("first_step_s", "first_step_s"),
+    ("compile_s", "compile_s"),
+    ("goodput", "goodput"),
+    ("data_wait_ms", "data_wait_ms"),
+    ("joules_per_token", "joules_per_token"),
+    ("gpu_busy", "gpu_busy"),
 )
 
 

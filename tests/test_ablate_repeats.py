@@ -64,7 +64,8 @@ class FakeRuns:
         tps = self.machine * SPEED[name][repeat]
         summary = {"perf/tokens_per_sec": tps, "perf/tokens_per_sec_p10": 0.9 * tps,
                    "perf/tokens_per_sec_p90": 1.1 * tps, "perf/step_ms": 1e3 / tps,
-                   "perf/goodput": 0.9, "time/data_wait_ms": 2.5, **self.extra}  # fmt: skip
+                   "perf/goodput": 0.9, "time/data_wait_ms": 2.5, "gpu_busy": 97.0,
+                   "perf/gpu_busy": 40.0, **self.extra}  # fmt: skip
         return "ok", "", summary
 
 
@@ -101,6 +102,7 @@ def test_repeats_run_interleaved_and_rows_carry_medians_intervals_and_noise(
     assert result["steps"][2]["within_noise"] is True  # as published
     # The trainer's cold-start numbers travel whatever their namespace; missing ones are null.
     assert bs["goodput"] == 0.9 and bs["data_wait_ms"] == 2.5 and bs["joules_per_token"] is None
+    assert bs["gpu_busy"] == 97.0  # over the measured steps, not the last window's (perf/)
     assert all(key in bs for key in ("first_step_s", "compile_s"))
 
     table = (folder / "quick.md").read_text()

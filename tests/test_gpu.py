@@ -4,6 +4,9 @@ run on a GPU machine with `pytest -m gpu`."""
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import pytest
 import torch
 
@@ -14,6 +17,7 @@ from model import GPT, GPTConfig
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import peak_flops
+from recipe.metrics import gpu_counters, now_us
 from train import build_optimizer, train, train_step
 
 pytestmark = [
@@ -98,6 +102,27 @@ def test_gpu_metrics_are_reported(tmp_path) -> None:
     if peak_flops(torch.device("cuda")) is not None:
         assert 0 < summary["perf/mfu"] < 100, name
     assert summary["perf/measured_steps"] == 10
+
+
+def test_nvml_busy_share_tells_a_busy_gpu_from_an_idle_one() -> None:
+    """perf/gpu_busy's source on this driver: samples of a GPU kept busy read near 100%, of an
+    idle one near 0, with time stamps on the host's clock (now_us)."""
+    pytest.importorskip("pynvml")
+    counters = gpu_counters(torch.device("cuda", 0))
+    assert counters is not None and counters.has_busy
+    x = torch.randn(4096, 4096, device="cuda")
+    busy_from, until = now_us(), time.monotonic() + 2.0
+    while time.monotonic() < until:
+        for _ in range(50):  # a queue of ~50 ms of work: never empty between the syncs
+            x = torch.nn.functional.normalize(x @ x, dim=-1)
+        torch.cuda.synchronize()
+    busy = counters.busy_since(busy_from)
+    idle_from = now_us()
+    time.sleep(2.0)
+    idle = counters.busy_since(idle_from)
+    print(f"busy samples {busy}, idle samples {idle}")
+    assert busy and statistics.fmean(busy) > 90
+    assert idle and statistics.fmean(idle) < 10
 
 
 def test_ac_saves_gpu_memory(tmp_path) -> None:

@@ -1,6 +1,6 @@
 """The loop's cost measurements (recipe/metrics.py's LoopMeter): cold start, compile seconds and
-goodput from a fake clock, the host's wait for batches, joules per token from a fake NVML, and
-the compile cache's warm start across two launches."""
+goodput from a fake clock, the host's wait for batches, joules per token and the GPU's busy share
+from a fake NVML, and the compile cache's warm start across two launches."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import recipe.metrics
 import train as train_module
 from conftest import ROOT, TINY, logged, make_cfg, tiny_run
 from opt.compile import apply_compile
-from recipe.metrics import LoopMeter, energy_counter
+from recipe.metrics import LoopMeter, gpu_counters
 
 CPU = torch.device("cpu")
 PERF_ARGS = dict(tokens_per_step=128, flops_per_token=1.0, peak_flops=None, world_size=1)
@@ -95,14 +95,21 @@ def test_first_step_counts_from_train_without_proc_and_compile_needs_compile(mon
 
 
 class FakeNVML(types.ModuleType):
-    """pynvml's calls that recipe.metrics makes; the counter in millijoules, as NVML's."""
+    """pynvml's calls that recipe.metrics makes: the energy counter in millijoules, and the
+    utilization samples ((time stamp in us, %) each) after a time stamp, as NVML's."""
+
+    NVML_GPU_UTILIZATION_SAMPLES = 1
 
     class NVMLError(Exception):
         pass
 
-    def __init__(self, supported: bool = True) -> None:
+    class NVMLError_NotFound(NVMLError):  # noqa: N801 (pynvml's name)
+        pass
+
+    def __init__(self, energy: bool = True, samples: bool = True) -> None:
         super().__init__("pynvml")
-        self.millijoules, self.supported = 0, supported
+        self.millijoules, self.energy, self.has_samples = 0, energy, samples
+        self.samples: list[tuple[int, int]] = []
         self.handles: list[int] = []
 
     def nvmlInit(self) -> None:
@@ -113,18 +120,35 @@ class FakeNVML(types.ModuleType):
         return f"gpu{index}"
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:
-        if not self.supported:
+        if not self.energy:
             raise self.NVMLError("Not Supported")
         return self.millijoules
+
+    def nvmlDeviceGetSamples(self, handle: str, kind: int, since_us: int):
+        if not self.has_samples:
+            raise self.NVMLError("Not Supported")
+        assert kind == self.NVML_GPU_UTILIZATION_SAMPLES
+        found = [(t, v) for t, v in reversed(self.samples) if t > since_us]  # any order
+        if not found:
+            raise self.NVMLError_NotFound("Not Found")
+        value = types.SimpleNamespace
+        return 1, [value(timeStamp=t, sampleValue=value(uiVal=v)) for t, v in found]
+
+
+def _nvml_meter(monkeypatch, nvml: FakeNVML) -> tuple[LoopMeter, FakeClock]:
+    """A meter on the CPU (its step timer) with `nvml`'s counters, as on GPU 0."""
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    clock = FakeClock()
+    monkeypatch.setattr(recipe.metrics, "now_us", lambda: int(clock.now * 1e6))
+    meter = _meter(clock, FakeBatches())
+    meter.gpu = gpu_counters(torch.device("cuda", 0))
+    assert nvml.handles == [0]
+    return meter, clock
 
 
 def test_joules_per_token_from_nvmls_energy_counter(monkeypatch) -> None:
     nvml = FakeNVML()
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    clock, batches = FakeClock(), FakeBatches()
-    meter = _meter(clock, batches)  # on the CPU: its step timer; the GPU's energy from the fake
-    meter.energy = energy_counter(torch.device("cuda", 0))
-    assert nvml.handles == [0]
+    meter, clock = _nvml_meter(monkeypatch, nvml)
 
     def steps(n: int, joules_each: float) -> None:
         for _ in range(n):
@@ -146,13 +170,51 @@ def test_joules_per_token_from_nvmls_energy_counter(monkeypatch) -> None:
     assert meter.summary()["joules_per_token"] == pytest.approx((4 * 3 + 2 * 5) / (6 * 128))
 
 
-def test_no_energy_counter_means_null(monkeypatch) -> None:
+def test_gpu_busy_from_nvmls_utilization_samples(monkeypatch) -> None:
+    nvml = FakeNVML()
+    meter, clock = _nvml_meter(monkeypatch, nvml)
+
+    def steps(n: int, busy: list[int]) -> None:
+        """n steps of 1 s; the driver samples every 0.5 s, each sample `busy` in turn."""
+        for i in range(n):
+            for half in range(2):
+                clock.now += 0.5
+                nvml.samples.append((int(clock.now * 1e6), busy[(2 * i + half) % len(busy)]))
+            meter.step()
+
+    meter.start()
+    steps(2, busy=[50])  # warm-up: left out of the summary
+    assert meter.window()["perf/gpu_busy"] == 50
+    clock.now += 3.0  # an evaluation: the GPU idles, and the driver samples it
+    nvml.samples.append((int(clock.now * 1e6), 0))
+    meter.start()
+    # The first sample after start() may cover time before it (here the evaluation's): dropped.
+    steps(2, busy=[0, 90, 80, 100])
+    assert meter.window()["perf/gpu_busy"] == pytest.approx(90)
+    meter.start()
+    steps(1, busy=[0, 70])
+    assert meter.window()["perf/gpu_busy"] == 70
+    assert meter.summary()["gpu_busy"] == pytest.approx((90 + 80 + 100 + 70) / 4)
+
+
+def test_without_nvmls_counters_their_metrics_are_null(monkeypatch) -> None:
     gpu = torch.device("cuda", 0)
-    assert energy_counter(CPU) is None
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(supported=False))  # e.g. a MIG slice
-    assert energy_counter(gpu) is None
+    assert gpu_counters(CPU) is None
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(energy=False, samples=False))  # MIG
+    assert gpu_counters(gpu) is None
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import fails
-    assert energy_counter(gpu) is None
+    assert gpu_counters(gpu) is None
+    nvml = FakeNVML(samples=False)  # an energy counter, but no utilization samples
+    meter, clock = _nvml_meter(monkeypatch, nvml)
+    meter.start()
+    nvml.millijoules += 1280
+    clock.now += 1.0
+    meter.step()
+    window = meter.window()
+    assert window["perf/gpu_busy"] is None and window["perf/joules_per_token"] == 0.01
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(energy=False))  # no sample taken yet
+    counters = gpu_counters(gpu)
+    assert counters is not None and counters.has_busy and counters.busy_since(0) == []
 
 
 class SlowLoader:

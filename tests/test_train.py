@@ -19,7 +19,7 @@ from train import train
 TRAIN_METRICS = {
     "step", "train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu",
     "perf/step_ms", "mem/peak_allocated_gib", "mem/peak_reserved_gib", "train/skipped_steps",
-    "perf/data_wait_ms", "perf/joules_per_token",
+    "perf/data_wait_ms", "perf/joules_per_token", "perf/gpu_busy",
 }  # fmt: skip
 
 
