@@ -492,20 +492,25 @@ def speed_ratio(row: dict, other: dict | None, anchors: dict[str, dict]) -> dict
     """The row's tokens/s over the other's. Runs of one call pair up, repeat i with repeat i
     (they ran side by side): the ratio is the median of the per-repeat ratios, the interval
     their min–max; a row measured in another call is stood in for by this call's anchor when
-    it is that step. Else (unpaired) the ratio of medians, between the extremes the runs allow.
-    `within_noise`: the interval includes 1.00x (None with a single run: nothing to judge)."""
+    it is that step. Else the rows ran in different calls, perhaps on machines 2-5% apart
+    (`across_calls`): the ratio of medians, with no interval and no verdict on noise, as one
+    call's spread says nothing of another machine's. `within_noise`: the interval includes 1.00x
+    (None with a single run: nothing to judge)."""
     if row["status"] != "ok" or not other or other["status"] != "ok":
         return None
     mine, theirs = _runs(row), _runs(other)
     if not mine or not theirs:
         return None
     call = row.get("call")
-    one_call = call is not None and other.get("call") == call
+    one_call = other.get("call") == call  # rows from before repeats (no call): one earlier call
     anchor = anchors.get(call) if call else None
     if not one_call and anchor and anchor["name"] == other["name"] and anchor["status"] == "ok":
         theirs, one_call = _runs(anchor), True
-    paired = one_call and len(mine) == len(theirs)
-    if paired:
+    if not one_call:
+        ratio = statistics.median(mine) / statistics.median(theirs)
+        return {"vs": other["name"], "ratio": round(ratio, 4), "interval": None,
+                "within_noise": None, "across_calls": True}  # fmt: skip
+    if len(mine) == len(theirs):  # paired: run i of both ran side by side
         ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
         ratio, interval = statistics.median(ratios), [min(ratios), max(ratios)]
     else:
@@ -517,6 +522,7 @@ def speed_ratio(row: dict, other: dict | None, anchors: dict[str, dict]) -> dict
         "ratio": round(ratio, 4),
         "interval": [round(v, 4) for v in interval],
         "within_noise": (interval[0] <= 1 <= interval[1]) if several else None,
+        "across_calls": False,
     }
 
 
@@ -543,6 +549,7 @@ def with_ratios(ladder: DictConfig, rows: list[dict], segments: Sequence[dict] =
             row[f"ratio{suffix}_vs"] = found.get("vs")
             row[f"ratio{suffix}_interval"] = found.get("interval")
             row[f"within_noise{suffix}"] = found.get("within_noise")
+            row[f"ratio{suffix}_across_calls"] = found.get("across_calls")
     return rows
 
 
@@ -565,8 +572,12 @@ def _ratio(row: dict, ref: dict | None, key: str) -> str:
 
 
 def _speed_cell(row: dict, suffix: str) -> str:
-    """A stored tokens/s ratio; with repeats, its interval and whether it is within noise."""
-    ratio, (low, high) = row[f"ratio{suffix}"], row[f"ratio{suffix}_interval"]
+    """A stored tokens/s ratio; with repeats, its interval and whether it is within noise; from
+    two calls, only that."""
+    ratio, interval = row[f"ratio{suffix}"], row[f"ratio{suffix}_interval"]
+    if interval is None:
+        return f"{ratio:.2f}x (across calls)"
+    low, high = interval
     if row.get("repeats", 1) <= 1 and low == high:
         return f"{ratio:.2f}x"
     noise = " within noise" if row.get(f"within_noise{suffix}") else ""
@@ -617,11 +628,14 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
     speed_too = bool(reference) and key != "tokens_per_sec"
     repeats = any(r.get("repeats", 1) > 1 for r in rows)
     spread = "tokens/s (runs: median, min–max)" if repeats else "tokens/s (p10–p90)"
+    busy = any(r.get("gpu_busy") is not None for r in rows)  # NVML's samples, when measured
+    across = any(r.get("ratio_across_calls") or r.get("ratio_ref_across_calls") for r in rows)
     columns = [
         "#", "step", "what changes", *(["GPUs"] if scaling else []), spread,
         *(["per-GPU efficiency"] if scaling else []), f"{gain} vs prev", f"{gain} vs {versus}",
         *([f"tokens/s vs {versus}"] if speed_too else []),
-        "MFU", "step ms", "peak alloc GiB", "peak reserved GiB", "loss", "status",
+        "MFU", *(["GPU busy"] if busy else []), "step ms", "peak alloc GiB", "peak reserved GiB",
+        "loss", "status",
     ]  # fmt: skip
     header = "| " + " | ".join(columns) + " |"
     lines = [
@@ -644,6 +658,11 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
             _ratio(row, baseline, key),
             *([_ratio(row, baseline, "tokens_per_sec")] if speed_too else []),
             mfu,
+            *(
+                [_fmt(row.get("gpu_busy"), ".0f") + "%" * (row.get("gpu_busy") is not None)]
+                if busy
+                else []
+            ),
             _fmt(row.get("step_ms"), ".1f"),
             _fmt(row.get("peak_allocated_gib"), ".2f"),
             _fmt(row.get("peak_reserved_gib"), ".2f"),
@@ -670,6 +689,17 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
             "C ...), with their min–max; a ratio's range is the min–max of the per-run ratios "
             "(run i of both rows, which ran side by side); *within noise*: that range includes "
             "1.00x. A single run shows the p10–p90 of its steps."
+        ]
+    if across:
+        lines += [
+            "*across calls*: the two rows ran in different device calls, perhaps on machines 2-5% "
+            "apart, with no anchor between them: the ratio of their medians, not a measurement."
+        ]
+    if busy:
+        lines += [
+            "GPU busy: the mean of NVML's utilization samples over the measured steps (the share "
+            "of time a kernel ran; 100% minus the idle a trace would show, without the tracer); "
+            "'–': not measured (rows from before it was recorded)."
         ]
     lines += [
         f"Steps {s['steps']} ran in one call ({s['call']}) with `{s['anchor']['name']}` "

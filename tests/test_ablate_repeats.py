@@ -158,10 +158,16 @@ def test_a_segment_merges_and_is_compared_through_its_anchor(monkeypatch, tmp_pa
     # accum / workers from one call: 300/201 and 310/205 (0.75x against the stale row).
     assert by_name["accum"]["ratio_interval"] == [round(300 / 201, 4), round(310 / 205, 4)]
     assert by_name["ac"]["ratio"] == pytest.approx(0.5, abs=1e-3)  # ac / accum, same call
-    # forloop (first call) against ac (second), no anchor between them: the widest interval.
-    assert by_name["forloop"]["ratio_interval"] == [round(140 / 77.5, 4), round(150 / 75, 4)]
+    # forloop (first call) against ac (second), no anchor between them: another machine, perhaps,
+    # so the ratio of medians, with no interval and no verdict on noise.
+    forloop = by_name["forloop"]
+    assert forloop["ratio"] == round(145 / 76.25, 4) and forloop["ratio_across_calls"] is True
+    assert forloop["ratio_interval"] is None and forloop["within_noise"] is None
+    assert by_name["accum"]["ratio_across_calls"] is False
     assert len(result["segments"]) == 2  # the first call's rows are still there
-    assert "`workers` re-measured beside them" in (folder / "quick.md").read_text()
+    table = (folder / "quick.md").read_text()
+    assert "`workers` re-measured beside them" in table
+    assert f"| {forloop['ratio']:.2f}x (across calls) |" in table
 
 
 def test_an_explicit_anchor_and_its_mistakes(monkeypatch, tmp_path) -> None:
