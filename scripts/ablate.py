@@ -502,7 +502,7 @@ def speed_ratio(row: dict, other: dict | None, anchors: dict[str, dict]) -> dict
     if not mine or not theirs:
         return None
     call = row.get("call")
-    one_call = other.get("call") == call  # rows from before repeats (no call): one earlier call
+    one_call = same_call(row, other)
     anchor = anchors.get(call) if call else None
     if not one_call and anchor and anchor["name"] == other["name"] and anchor["status"] == "ok":
         theirs, one_call = _runs(anchor), True
@@ -524,6 +524,14 @@ def speed_ratio(row: dict, other: dict | None, anchors: dict[str, dict]) -> dict
         "within_noise": (interval[0] <= 1 <= interval[1]) if several else None,
         "across_calls": False,
     }
+
+
+def same_call(row: dict, other: dict) -> bool:
+    """Whether two rows ran in one call (one machine): the same call id, or, for rows written
+    before calls were recorded, the same commit."""
+    if row.get("call") or other.get("call"):
+        return row.get("call") == other.get("call")
+    return row.get("git_commit") == other.get("git_commit")
 
 
 def _runs(row: dict) -> list[float]:
@@ -558,6 +566,10 @@ def with_ratios(ladder: DictConfig, rows: list[dict], segments: Sequence[dict] =
 
 def _fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
+
+
+def _percent(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec) + "%"
 
 
 def _ratio(row: dict, ref: dict | None, key: str) -> str:
@@ -646,7 +658,6 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
     ]
     pairs = comparisons(ladder, rows)
     for row, previous, baseline in pairs:
-        mfu = _fmt(row.get("mfu"), ".1f") + ("%" if row.get("mfu") is not None else "")
         cells = [
             str(row["index"]),
             f"`{row['name']}`",
@@ -657,12 +668,8 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
             _ratio(row, previous, key) if ladder.cumulative else "–",
             _ratio(row, baseline, key),
             *([_ratio(row, baseline, "tokens_per_sec")] if speed_too else []),
-            mfu,
-            *(
-                [_fmt(row.get("gpu_busy"), ".0f") + "%" * (row.get("gpu_busy") is not None)]
-                if busy
-                else []
-            ),
+            _percent(row.get("mfu"), ".1f"),
+            *([_percent(row.get("gpu_busy"), ".0f")] if busy else []),
             _fmt(row.get("step_ms"), ".1f"),
             _fmt(row.get("peak_allocated_gib"), ".2f"),
             _fmt(row.get("peak_reserved_gib"), ".2f"),

@@ -30,7 +30,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import save_stall  # sibling scripts: their folder is first on sys.path
+import ablate  # sibling scripts: their folder is first on sys.path
+import save_stall
 import vs_nanogpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,8 +100,8 @@ def _interval(row: dict) -> str:
 
 
 def _speed_ratio(row: dict, ref: dict | None) -> str:
-    """Tokens/s against `ref`, marked when within noise or measured in another call (another
-    commit: other rows may have run on another machine)."""
+    """Tokens/s against `ref`, marked when within noise or measured in another call (perhaps on
+    another machine: ablate.same_call)."""
     if ref is None or row.get("tokens_per_sec") is None or not ref.get("tokens_per_sec"):
         return MISSING
     if (
@@ -112,7 +113,7 @@ def _speed_ratio(row: dict, ref: dict | None) -> str:
         text = f"{row['ratio']:.2f}x"
     else:
         text = f"{row['tokens_per_sec'] / ref['tokens_per_sec']:.2f}x"
-        if row.get("git_commit") != ref.get("git_commit"):
+        if not ablate.same_call(row, ref):
             text += " (vs another call)"
     if row.get("within_noise"):
         text += " (within noise)"

@@ -279,3 +279,14 @@ def test_published_ladders_still_render(tmp_path, path: Path) -> None:
     errors = ablate.publish(ladder, result["steps"], result["environment"], tmp_path)
     assert errors == []
     assert (tmp_path / f"{path.stem}.md").read_text().count("\n| ") >= len(result["steps"])
+
+
+def test_rows_from_before_call_ids_are_one_call_only_at_one_commit() -> None:
+    """Single-run rows written before calls were recorded: the same commit is one call; another
+    commit (another machine, perhaps) is compared across calls, as the README marks it."""
+    row = {"name": "b", "status": "ok", "tokens_per_sec": 100.0, "git_commit": "aaa"}
+    before = {"name": "a", "status": "ok", "tokens_per_sec": 50.0, "git_commit": "aaa"}
+    same = ablate.speed_ratio(row, before, {})
+    assert same is not None and same["interval"] == [2.0, 2.0] and not same["across_calls"]
+    across = ablate.speed_ratio(row, {**before, "git_commit": "bbb"}, {})
+    assert across is not None and across["across_calls"] and across["interval"] is None
