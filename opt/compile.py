@@ -16,6 +16,12 @@ instance for the pieces): the module and its parameter names stay the same.
 Warm start: `cache_dir` is Inductor's on-disk cache (FX graphs, AOTAutograd graphs, generated
 kernels, Triton's binaries and tuning). A second launch with the same code, shapes and torch finds
 its graphs there and skips the compilation (summary.json: `compile_s`, `compile_warm`).
+
+Each precision has its own subfolder (`<cache_dir>/bfloat16`): torch 2.11 keys AOTAutograd's
+cached graphs on whether autocast is on, not on its dtype (pytorch/pytorch#181564; 2.13 keys the
+dtype), so a bfloat16 launch after a float16 one can load the float16 graph and train in float16
+with no loss scaler: reproduced on a CPU with torch 2.11, and the likely cause of the speed
+ladder's diverged bf16 rows on an H100 (docs/results/nvidia-h100-80gb-hbm3/speed_bf16_cache.md).
 """
 
 from __future__ import annotations
@@ -46,15 +52,28 @@ def check_compile(cfg: DictConfig) -> None:
         )
 
 
-def apply_compile(model: torch.nn.Module, cfg: DictConfig, sharded: bool = False) -> None:
-    """Compiles `model` in place; `sharded`: FSDP will wrap it (compile it in pieces)."""
+def cache_folder(cache_dir: str, amp_dtype: torch.dtype | None) -> Path:
+    """Inductor's cache folder for a run in `amp_dtype` (None: no autocast): one subfolder of
+    `cache_dir` per precision, so that no run loads a graph traced under another autocast dtype."""
+    precision = str(amp_dtype).removeprefix("torch.") if amp_dtype is not None else "float32"
+    return Path(cache_dir).expanduser() / precision
+
+
+def apply_compile(
+    model: torch.nn.Module,
+    cfg: DictConfig,
+    sharded: bool = False,
+    amp_dtype: torch.dtype | None = None,
+) -> None:
+    """Compiles `model` in place; `sharded`: FSDP will wrap it (compile it in pieces);
+    `amp_dtype`: the autocast dtype it will run under (+opt=amp's), which picks its cache folder."""
     check_compile(cfg)
     # Process-wide, set (or reset) on every call like tf32: Inductor's kernel tuning.
     import torch._inductor.config as inductor_config
 
     inductor_config.coordinate_descent_tuning = cfg.coordinate_descent
     if cfg.cache_dir:  # read by Inductor when it compiles (lazily, at the first step)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cfg.cache_dir).expanduser())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_folder(cfg.cache_dir, amp_dtype))
     # Inductor's modes; other backends take none.
     options = {"backend": cfg.backend, "mode": cfg.mode if cfg.backend == "inductor" else None}
     if cfg.scope == "model" and not sharded:
@@ -98,7 +117,7 @@ class Knobs:
 def _apply(ctx: Context) -> None:
     # Under FSDP (and offload's FSDP) and pp, in pieces: each block, embed and head.
     pieces = ctx.plan.sharded(ctx.dist.device) or "pp" in ctx.plan.stages
-    apply_compile(ctx.model, ctx.knobs, sharded=pieces)
+    apply_compile(ctx.model, ctx.knobs, sharded=pieces, amp_dtype=ctx.plan.amp_dtype)
 
 
 STAGE = Stage("compile", "model", _apply, Knobs, check=lambda ctx: check_compile(ctx.knobs))

@@ -257,8 +257,12 @@ def test_compile_cache_dir_is_inductors(monkeypatch) -> None:
     knobs = make_cfg("+opt=compile").opt.compile
     assert knobs.cache_dir == f"{os.environ['GPT2_RECIPE_CACHE']}/inductor"  # beside the data
     knobs.cache_dir = "~/kernels"
-    apply_compile(torch.nn.Linear(2, 2), knobs)
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path.home() / "kernels")
+    apply_compile(torch.nn.Linear(2, 2), knobs)  # no autocast: the float32 graphs' folder
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path.home() / "kernels" / "float32")
+    # One folder per autocast dtype: torch 2.11's AOTAutograd cache would hand a bfloat16 run the
+    # graph a float16 run traced (its key says whether autocast is on, not in which dtype).
+    apply_compile(torch.nn.Linear(2, 2), knobs, amp_dtype=torch.bfloat16)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path.home() / "kernels" / "bfloat16")
     knobs.cache_dir = None  # Inductor's own default: left alone
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
     apply_compile(torch.nn.Linear(2, 2), knobs)
@@ -282,7 +286,7 @@ def test_a_second_launch_compiles_from_the_cache(tmp_path) -> None:
     cache = tmp_path / "inductor"
     cold = _compiled_launch(tmp_path / "cold", cache)
     warm = _compiled_launch(tmp_path / "warm", cache)
-    assert (cache / "fxgraph").is_dir()
+    assert (cache / "float32" / "fxgraph").is_dir()  # no autocast: the float32 graphs
     assert cold["compile_warm"] is False and warm["compile_warm"] is True
     assert warm["compile_s"] < cold["compile_s"] / 2
     assert warm["first_step_s"] < cold["first_step_s"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -523,3 +524,23 @@ def test_compile_coordinate_descent_sets_and_resets_inductors_tuning() -> None:
     opt.compile.apply_compile(_toy(), _knobs("compile"))
     assert not inductor_config.coordinate_descent_tuning
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "stages,folder",
+    [
+        ("+opt=compile", "float32"),
+        ("+opt=[amp,compile]", "bfloat16"),
+        ("+opt=[amp,compile] opt.amp.dtype=float16", "float16"),
+    ],
+)
+def test_compile_caches_each_precisions_graphs_in_its_own_folder(
+    monkeypatch, tmp_path, stages: str, folder: str
+) -> None:
+    # Through the pipeline: the compile stage learns +opt=amp's dtype from the plan. torch 2.11
+    # would otherwise hand a bfloat16 launch the graph a float16 launch cached (opt/compile.py).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # restored after the test
+    cfg = tiny_cfg(*stages.split(), f"opt.compile.cache_dir={tmp_path}")
+    opt.apply_model_stages(_toy(), cfg.opt, opt.plan(cfg, SINGLE), SINGLE)
+    torch._dynamo.reset()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / folder)
