@@ -105,6 +105,10 @@ NUMBERS = (
     ("joules_per_token", "joules_per_token"),
     ("gpu_busy", "gpu_busy"),
 )
+# A run diverged when its last logged training loss ends this far above its lowest: its tokens/s
+# then measure a broken model, not the step (2026-11-27, H100: bf16 runs that diverged ran 5%
+# faster than their converged repeats; a model gone wrong keeps the GPU's clocks up, see speed.md).
+DIVERGED = 0.10
 
 
 def strategy(stages: list[str], gpus: int) -> str:
@@ -234,10 +238,28 @@ def run_step(
         status, output, summary = "failed", f"ablate.py: {type(e).__name__}: {e}", {}
     row["wall_s"] = round(time.time() - started, 1)
     row.update({column: summary_value(summary, column, key) for column, key in NUMBERS})
+    row["loss_rise"] = loss_rise(run_dir / "metrics.jsonl")
     if status != "ok":
         row["error"] = failure_reason(output)
-    print(f"[ablate]   -> {status}, {row['wall_s']} s", flush=True)
+    rose = row["loss_rise"] is not None and row["loss_rise"] > DIVERGED
+    warning = f" (diverged: its loss ended {row['loss_rise']:.0%} above its lowest)" if rose else ""
+    print(f"[ablate]   -> {status}, {row['wall_s']} s{warning}", flush=True)
     return {**row, "status": status}
+
+
+def loss_rise(metrics_path: Path) -> float | None:
+    """How far a run's last logged training loss ends above its lowest logged one (0.33: 33%
+    above), from its metrics.jsonl; None without two logged losses (or without the file)."""
+    if not metrics_path.exists():
+        return None
+    losses = []
+    for line in metrics_path.read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a line cut by a killed run
+            if (loss := json.loads(line).get("train/loss")) is not None:
+                losses.append(loss)
+    if len(losses) < 2 or min(losses) <= 0:
+        return None
+    return round(losses[-1] / min(losses) - 1, 4)
 
 
 def profile_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path) -> dict:
@@ -458,10 +480,14 @@ def aggregate(runs: list[dict], call: str) -> dict[str, Any]:
     for column in [*(c for c, _ in NUMBERS), "wall_s"]:
         row[column] = _median([r.get(column) for r in (done or runs)])
     tps = [r["tokens_per_sec"] for r in done if r.get("tokens_per_sec") is not None]
+    rises = [r.get("loss_rise") for r in done]
     row.update(
         call=call,
         repeats=len(done),
         tokens_per_sec_runs=tps,
+        train_loss_runs=[r.get("train_loss") for r in done],
+        loss_rise=max((x for x in rises if x is not None), default=None),
+        diverged_runs=sum(1 for x in rises if x is not None and x > DIVERGED),
         interval=[min(tps), max(tps)] if tps else None,
         ci95=bootstrap_ci(tps) if len(tps) >= 3 else None,
     )
@@ -604,6 +630,16 @@ def _tokens_cell(row: dict) -> str:
     return _fmt(row.get("tokens_per_sec"), ",.0f") + spread
 
 
+def _loss_cell(row: dict) -> str:
+    """The training loss, marked when some of the row's runs diverged (its numbers then time a
+    broken model)."""
+    diverged = row.get("diverged_runs") or 0
+    if not diverged:
+        return _fmt(row.get("train_loss"), ".3f")
+    runs = row.get("repeats") or 1
+    return f"{_fmt(row.get('train_loss'), '.3f')} **({diverged} of {runs} runs diverged)**"
+
+
 def with_efficiency(rows: list[dict]) -> list[dict]:
     """Sets each row's per-GPU `efficiency`: its tokens/s over `gpus` times those of the nearest
     1-GPU row above it (`efficiency_vs`), the same workload on one GPU of this host; 1.0 for a
@@ -673,7 +709,7 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
             _fmt(row.get("step_ms"), ".1f"),
             _fmt(row.get("peak_allocated_gib"), ".2f"),
             _fmt(row.get("peak_reserved_gib"), ".2f"),
-            _fmt(row.get("train_loss"), ".3f"),
+            _loss_cell(row),
             row["status"] if row["status"] == "ok" else f"**{row['status']}**",
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -708,11 +744,21 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
             "of time a kernel ran; 100% minus the idle a trace would show, without the tracer); "
             "'–': not measured (rows from before it was recorded)."
         ]
+    if any(r.get("diverged_runs") for r in rows):
+        lines += [
+            f"*diverged*: a run's last logged training loss ended over {DIVERGED:.0%} above its "
+            "lowest; its tokens/s time a model that broke, not the step (such runs ran faster "
+            "than their converged repeats on an H100): rerun the row before trusting its ratios."
+        ]
+    # A segment speaks for the rows that still come from its call (a later call may have
+    # re-measured some of its steps).
+    calls = {s["call"]: [r["name"] for r in rows if r.get("call") == s["call"]] for s in segments}
     lines += [
-        f"Steps {s['steps']} ran in one call ({s['call']}) with `{s['anchor']['name']}` "
+        f"Steps {shown} ran in one call ({s['call']}) with `{s['anchor']['name']}` "
         f"re-measured beside them as their anchor: {_tokens_cell(s['anchor'])} tokens/s."
         for s in segments
         if s.get("anchor") and s["anchor"].get("status") == "ok"
+        if (shown := [n for n in s["steps"] if n in calls[s["call"]]])
     ]
     lines += [f"\n- `{r['name']}`: {r['note']}" for r in rows if r.get("note")]
     lines += ladder_profile.table(
@@ -842,7 +888,7 @@ def publish(
 CSV_COLUMNS = [
     "index", "name", "what", "status", "stages", "nproc", "nnodes", "gpus", "memory_cap_gib",
     "strategy",
-    *(c for c, _ in NUMBERS), "repeats", "ratio", "ratio_vs", "within_noise",
+    *(c for c, _ in NUMBERS), "repeats", "diverged_runs", "ratio", "ratio_vs", "within_noise",
     "efficiency", "efficiency_vs", "wall_s", "git_commit", "command", "error",
 ]  # fmt: skip
 

@@ -48,14 +48,20 @@ class FakeRuns:
     """Stands in for `launch`: records the running order and answers with a summary, scaled by
     `machine` (another call on a slower machine); `outcomes` makes a step fail."""
 
-    def __init__(self, machine: float = 1.0, outcomes: dict | None = None, summary=None):
+    def __init__(self, machine: float = 1.0, outcomes: dict | None = None, summary=None,
+                 losses: dict | None = None):  # fmt: skip
         self.order: list[tuple[str, int]] = []
         self.machine, self.outcomes, self.extra = machine, outcomes or {}, summary or {}
+        self.losses = losses or {}  # (step, repeat): the training losses its metrics.jsonl logs
 
     def __call__(self, agents, run_dir: Path, timeout_s: float):
         _, name, *tag = run_dir.name.split("-", 2)  # <index>-<step>[-r<repeat>]
         repeat = int(tag[0][1:]) if tag else 0
         self.order.append((name, repeat))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        losses = self.losses.get((name, repeat), [9.0, 6.5, 6.0])
+        logged = [{"step": 10 * (i + 1), "train/loss": loss} for i, loss in enumerate(losses)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged))
         if name in self.outcomes:
             outcome = self.outcomes[name]
             if isinstance(outcome, Exception):
@@ -166,8 +172,54 @@ def test_a_segment_merges_and_is_compared_through_its_anchor(monkeypatch, tmp_pa
     assert by_name["accum"]["ratio_across_calls"] is False
     assert len(result["segments"]) == 2  # the first call's rows are still there
     table = (folder / "quick.md").read_text()
+    assert "Steps ['accum', 'ac'] ran in one call" in table
     assert "`workers` re-measured beside them" in table
     assert f"| {forloop['ratio']:.2f}x (across calls) |" in table
+    # A third call re-measures ac: the second call's segment now speaks for accum alone.
+    _ablate(monkeypatch, tmp_path, FakeRuns(), "repeats=2", "steps=[ac]")
+    table = (folder / "quick.md").read_text()
+    assert "Steps ['accum'] ran in one call" in table and "['accum', 'ac']" not in table
+    assert "Steps ['ac'] ran in one call" in table and "`accum` re-measured beside them" in table
+
+
+def test_a_run_whose_loss_ends_far_above_its_lowest_is_marked_diverged(
+    monkeypatch, tmp_path, capsys
+) -> None:
+    # workers: two of three runs diverge (the loss falls to 6.2, then climbs to 8.1); accum's
+    # runs wobble a little at the end (+3%), which is not divergence.
+    diverging = [9.0, 6.5, 6.2, 7.4, 8.1]
+    losses = {("workers", 1): diverging, ("workers", 2): diverging}
+    losses |= {("accum", r): [9.0, 6.5, 6.0, 6.18] for r in range(3)}
+    rows, result, folder = _ablate(monkeypatch, tmp_path, FakeRuns(losses=losses), "repeats=3")
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["workers"]["diverged_runs"] == 2
+    assert by_name["workers"]["loss_rise"] == round(8.1 / 6.2 - 1, 4)
+    assert by_name["accum"]["diverged_runs"] == 0 and by_name["accum"]["loss_rise"] == 0.03
+    assert by_name["bs"]["diverged_runs"] == 0 and by_name["bs"]["loss_rise"] == 0.0
+    assert result["steps"][2]["diverged_runs"] == 2  # as published
+    table = (folder / "quick.md").read_text()
+    workers_line = next(line for line in table.splitlines() if "| `workers` |" in line)
+    assert "**(2 of 3 runs diverged)**" in workers_line
+    assert "*diverged*: a run's last logged training loss ended over 10% above" in table
+    assert "diverged" not in next(line for line in table.splitlines() if "| `accum` |" in line)
+    assert "diverged_runs" in (folder / "quick.csv").read_text().splitlines()[0]
+    printed = capsys.readouterr().out
+    assert printed.count("(diverged: its loss ended 31% above its lowest)") == 2
+    # Rows without a diverged run say nothing about it.
+    _, _, quiet = _ablate(monkeypatch, tmp_path / "quiet", FakeRuns(), "repeats=1")
+    assert "diverged" not in (quiet / "quick.md").read_text()
+
+
+def test_loss_rise_reads_a_runs_metrics_and_survives_what_a_killed_run_leaves(tmp_path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    assert ablate.loss_rise(metrics) is None  # no file: a run that never started
+    metrics.write_text('{"step": 10, "train/loss": 6.0}\n{"step": 20, "val/loss": 9.0}\n')
+    assert ablate.loss_rise(metrics) is None  # one training loss: nothing to compare
+    metrics.write_text(
+        '{"step": 10, "train/loss": 8.0}\n{"step": 20, "train/loss": 5.0}\n'
+        '{"step": 30, "train/loss": 6.0}\n{"step": 40, "train/lo'  # cut mid-line
+    )
+    assert ablate.loss_rise(metrics) == 0.2
 
 
 def test_an_explicit_anchor_and_its_mistakes(monkeypatch, tmp_path) -> None:
