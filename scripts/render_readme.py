@@ -100,24 +100,25 @@ def _interval(row: dict) -> str:
 
 
 def _speed_ratio(row: dict, ref: dict | None) -> str:
-    """Tokens/s against `ref`, marked when within noise or measured in another call (perhaps on
-    another machine: ablate.same_call)."""
+    """Tokens/s against `ref`: the harness's own ratio where it compared the row with `ref` (vs
+    prev, or vs the ladder's reference), with three decimals and that comparison's noise
+    verdict; else the ratio of the two rows' numbers, marked when they come from another call
+    (perhaps another machine: ablate.same_call)."""
     if ref is None or row.get("tokens_per_sec") is None or not ref.get("tokens_per_sec"):
         return MISSING
-    if (
-        row.get("repeats", 1) > 1
-        and row.get("ratio_interval")
-        and row.get("ratio_vs") == ref.get("name")
-    ):
-        # The harness's own ratio: against `ref` re-measured in the row's call (its anchor).
-        text = f"{row['ratio']:.2f}x"
-    else:
-        text = f"{row['tokens_per_sec'] / ref['tokens_per_sec']:.2f}x"
-        if not ablate.same_call(row, ref):
-            text += " (vs another call)"
-    if row.get("within_noise"):
-        text += " (within noise)"
-    return text
+    if ref is row:
+        return "1.00x"  # the reference row itself
+    for prefix in ("ratio", "ratio_ref"):  # vs prev, vs the reference row
+        if (
+            row.get("repeats", 1) > 1
+            and row.get(f"{prefix}_interval")
+            and row.get(f"{prefix}_vs") == ref.get("name")
+        ):
+            # Against `ref` re-measured in the row's call (its anchor), run by run.
+            noise = row.get("within_noise" if prefix == "ratio" else "within_noise_ref")
+            return f"{row[prefix]:.3f}x" + (" (within noise)" if noise else "")
+    text = f"{row['tokens_per_sec'] / ref['tokens_per_sec']:.2f}x"
+    return text if ablate.same_call(row, ref) else text + " (vs another call)"
 
 
 def _memory_change(row: dict, ref: dict | None) -> str:

@@ -55,7 +55,8 @@ def test_repeats_interval_and_noise_are_shown_and_missing_fields_are_dashes(tmp_
     steps: list[dict] = [
         {**base, "name": "memmap", "tokens_per_sec": 478_000.0},  # an old row: no repeats
         {**base, "name": "custom_op", "tokens_per_sec": 482_000.0, "repeats": 3,
-         "interval": [480_100.0, 483_900.0], "within_noise": True},
+         "interval": [480_100.0, 483_900.0], "within_noise": True, "ratio": 1.0084,
+         "ratio_vs": "memmap", "ratio_interval": [0.998, 1.012]},
         {**base, "name": "residual_bf16", "tokens_per_sec": 512_000.0, "repeats": 3,
          "interval": [510_000.0, 514_000.0], "within_noise": False, "git_commit": "b"},
         {"name": "bs64", "status": "oom", "git_commit": "b"},  # no numbers at all
@@ -66,7 +67,8 @@ def test_repeats_interval_and_noise_are_shown_and_missing_fields_are_dashes(tmp_
     assert rows[0] == f"before <!-- results:speed {path} -->" and rows[-1].endswith(" after")
     assert "| memmap loader, default compile mode | 478,000 | — | — | — | 15.0 |" in rows
     custom_op = "`custom_op`: fused head + cross-entropy, our Triton kernel"
-    assert f"| {custom_op} | 482,000 | 480,100–483,900 | 3 | 1.01x (within noise) | 15.0 |" in rows
+    # The harness's ratio, run by run against its neighbour: three decimals and its verdict.
+    assert f"| {custom_op} | 482,000 | 480,100–483,900 | 3 | 1.008x (within noise) | 15.0 |" in rows
     # Another commit: another call, perhaps another machine; the ratio says so.
     bf16 = "| 512,000 | 510,000–514,000 | 3 | 1.06x (vs another call) | 15.0 |"
     assert any(row.endswith(bf16) for row in rows)
@@ -87,6 +89,29 @@ def test_memory_xl_is_relative_to_ac_and_marks_the_target(tmp_path: Path) -> Non
     assert f"| {lowbit} | **15.10 GiB** | 21,000 | 15,000–22,000 | 3 | **0.70x** |" in text
     target = "-->15.10 GiB at 0.70x of the checkpointed bf16 run measured beside it (target: "
     assert target + "≤ 20 GiB at ≥ 0.6x), 16.00 GiB reserved<!-- /results:xl_target -->" in text
+
+
+def test_a_ratio_to_the_reference_carries_that_comparisons_noise_verdict(tmp_path) -> None:
+    # cap14 is within noise of the row above it (cap22), not of `ac`: the column against `ac`
+    # must not borrow the vs-prev verdict; cap22 is within noise of `ac`.
+    base = {"status": "ok", "git_commit": "a", "peak_reserved_gib": 16.0, "repeats": 3,
+            "peak_allocated_gib": 15.0, "call": "1"}  # fmt: skip
+    steps = [
+        {**base, "name": "ac", "tokens_per_sec": 33_000.0},
+        {**base, "name": "cap22", "tokens_per_sec": 32_990.0, "ratio_ref": 0.9997,
+         "ratio_ref_vs": "ac", "ratio_ref_interval": [0.993, 1.0009], "within_noise_ref": True},
+        {**base, "name": "cap14", "tokens_per_sec": 32_924.0, "ratio": 0.9975, "ratio_vs": "cap22",
+         "ratio_interval": [0.99, 1.01], "within_noise": True, "ratio_ref": 0.9977,
+         "ratio_ref_vs": "ac", "ratio_ref_interval": [0.997, 0.9984], "within_noise_ref": False},
+    ]  # fmt: skip
+    path = _results(tmp_path, "memory_xl.json", steps)
+    lines = render_readme.render(_marked("memory_xl", path), tmp_path).split("\n")
+    cap22, cap14 = render_readme.XL_LABELS["cap22"], render_readme.XL_LABELS["cap14"]
+    assert next(x for x in lines if x.startswith(f"| {cap22} |")).endswith(
+        "| 1.000x (within noise) |"
+    )
+    assert next(x for x in lines if x.startswith(f"| {cap14} |")).endswith("| 0.998x |")
+    assert next(x for x in lines if x.startswith("| `ac`")).endswith("| 1.00x |")
 
 
 def test_a_row_of_another_call_is_compared_with_the_reference_measured_beside_it(
