@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import json
 import os
 import shlex
@@ -133,12 +134,15 @@ class RunFolder:
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
         self._lock = _open_lock(path / LOCK)  # held (open) until the process ends
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _locked(self._lock) and path.resolve() in _held:
+            # This process took it: a run that died of an exception (a test's crash, a
+            # notebook's interrupted cell) and was never released, its lock freed only when the
+            # collector breaks the cycles through its traceback. Collect now and try again.
+            gc.collect()
+        if not _locked(self._lock):
             raise Unusable(
                 f"another run is using {path} right now: give this one its own hydra.run.dir"
-            ) from None
+            )
         _held.add(path.resolve())
         _refuse_links(path)
         existing = run_files(path)
@@ -206,6 +210,15 @@ def _bad_line(path: Path, number: int, problem: str) -> str:
         f"{path}, line {number}: {problem}; each line must be one JSON object with its step: "
         "repair or delete that line, then run again"
     )
+
+
+def _locked(lock: Any) -> bool:
+    """Takes the run folder's lock without waiting; False when another holds it."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _open_lock(path: Path) -> Any:

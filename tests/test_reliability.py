@@ -6,6 +6,7 @@ writer. (Bad data and unsafe pickles: tests/test_data_safety.py, tests/test_memo
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import signal
@@ -150,6 +151,20 @@ def test_one_run_at_a_time_holds_a_folder(tmp_path) -> None:
     other = subprocess.run([python(), "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert other.returncode != 0 and "another run is using" in other.stderr
     del holder
+
+
+def test_a_run_of_this_process_that_died_unreleased_gives_its_folder_back(tmp_path) -> None:
+    # A crashed run's folder stays locked while its traceback's reference cycles wait for the
+    # collector: a resume in the same process (a test, a notebook) collects them and takes it.
+    gc.disable()  # the collector must not run on its own between the two lines below
+    try:
+        crashed = rundir.RunFolder(tmp_path, resume=False)
+        cycle: list = [crashed]
+        cycle.append(cycle)  # only the collector frees it, as a traceback's frames would
+        del crashed, cycle
+        rundir.RunFolder(tmp_path, resume=False).release()  # no run files yet: no resume
+    finally:
+        gc.enable()
 
 
 def test_resuming_a_finished_run_changes_nothing_and_says_so(tmp_path, capsys) -> None:
