@@ -106,9 +106,14 @@ NUMBERS = (
     ("gpu_busy", "gpu_busy"),
 )
 # A run diverged when its last logged training loss ends this far above its lowest: its tokens/s
-# then measure a broken model, not the step (2026-11-27, H100: bf16 runs that diverged ran 5%
-# faster than their converged repeats; a model gone wrong keeps the GPU's clocks up, see speed.md).
+# then time a broken model, not the step (2026-11-27, H100: bf16 runs that diverged ran 5.5%
+# faster than converged runs of the same command; speed_bf16_cache.md).
 DIVERGED = 0.10
+
+
+def diverged(rise: float | None) -> bool:
+    """Whether a run's `loss_rise` (see loss_rise) says it diverged."""
+    return rise is not None and rise > DIVERGED
 
 
 def strategy(stages: list[str], gpus: int) -> str:
@@ -241,8 +246,8 @@ def run_step(
     row["loss_rise"] = loss_rise(run_dir / "metrics.jsonl")
     if status != "ok":
         row["error"] = failure_reason(output)
-    rose = row["loss_rise"] is not None and row["loss_rise"] > DIVERGED
-    warning = f" (diverged: its loss ended {row['loss_rise']:.0%} above its lowest)" if rose else ""
+    rise = row["loss_rise"]
+    warning = f" (diverged: its loss ended {rise:.0%} above its lowest)" if diverged(rise) else ""
     print(f"[ablate]   -> {status}, {row['wall_s']} s{warning}", flush=True)
     return {**row, "status": status}
 
@@ -487,7 +492,7 @@ def aggregate(runs: list[dict], call: str) -> dict[str, Any]:
         tokens_per_sec_runs=tps,
         train_loss_runs=[r.get("train_loss") for r in done],
         loss_rise=max((x for x in rises if x is not None), default=None),
-        diverged_runs=sum(1 for x in rises if x is not None and x > DIVERGED),
+        diverged_runs=sum(map(diverged, rises)),
         interval=[min(tps), max(tps)] if tps else None,
         ci95=bootstrap_ci(tps) if len(tps) >= 3 else None,
     )
@@ -633,11 +638,8 @@ def _tokens_cell(row: dict) -> str:
 def _loss_cell(row: dict) -> str:
     """The training loss, marked when some of the row's runs diverged (its numbers then time a
     broken model)."""
-    diverged = row.get("diverged_runs") or 0
-    if not diverged:
-        return _fmt(row.get("train_loss"), ".3f")
-    runs = row.get("repeats") or 1
-    return f"{_fmt(row.get('train_loss'), '.3f')} **({diverged} of {runs} runs diverged)**"
+    loss, broken = _fmt(row.get("train_loss"), ".3f"), row.get("diverged_runs")
+    return f"{loss} **({broken} of {row.get('repeats') or 1} runs diverged)**" if broken else loss
 
 
 def with_efficiency(rows: list[dict]) -> list[dict]:
@@ -747,18 +749,19 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
     if any(r.get("diverged_runs") for r in rows):
         lines += [
             f"*diverged*: a run's last logged training loss ended over {DIVERGED:.0%} above its "
-            "lowest; its tokens/s time a model that broke, not the step (such runs ran faster "
-            "than their converged repeats on an H100): rerun the row before trusting its ratios."
+            "lowest; its tokens/s time a model that broke, not the step (on an H100 such runs ran "
+            "5.5% faster than converged runs of the same command): rerun the row before trusting "
+            "its ratios."
         ]
     # A segment speaks for the rows that still come from its call (a later call may have
     # re-measured some of its steps).
-    calls = {s["call"]: [r["name"] for r in rows if r.get("call") == s["call"]] for s in segments}
+    call_of = {r["name"]: r.get("call") for r in rows}
     lines += [
         f"Steps {shown} ran in one call ({s['call']}) with `{s['anchor']['name']}` "
         f"re-measured beside them as their anchor: {_tokens_cell(s['anchor'])} tokens/s."
         for s in segments
         if s.get("anchor") and s["anchor"].get("status") == "ok"
-        if (shown := [n for n in s["steps"] if n in calls[s["call"]]])
+        if (shown := [n for n in s["steps"] if call_of.get(n) == s["call"]])
     ]
     lines += [f"\n- `{r['name']}`: {r['note']}" for r in rows if r.get("note")]
     lines += ladder_profile.table(

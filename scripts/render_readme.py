@@ -108,15 +108,15 @@ def _speed_ratio(row: dict, ref: dict | None) -> str:
         return MISSING
     if ref is row:
         return "1.00x"  # the reference row itself
-    for prefix in ("ratio", "ratio_ref"):  # vs prev, vs the reference row
+    for suffix in ("", "_ref"):  # the harness's ratio vs prev, and vs the reference row
         if (
             row.get("repeats", 1) > 1
-            and row.get(f"{prefix}_interval")
-            and row.get(f"{prefix}_vs") == ref.get("name")
+            and row.get(f"ratio{suffix}_interval")
+            and row.get(f"ratio{suffix}_vs") == ref.get("name")
         ):
             # Against `ref` re-measured in the row's call (its anchor), run by run.
-            noise = row.get("within_noise" if prefix == "ratio" else "within_noise_ref")
-            return f"{row[prefix]:.3f}x" + (" (within noise)" if noise else "")
+            noise = " (within noise)" if row.get(f"within_noise{suffix}") else ""
+            return f"{row[f'ratio{suffix}']:.3f}x{noise}"
     text = f"{row['tokens_per_sec'] / ref['tokens_per_sec']:.2f}x"
     return text if ablate.same_call(row, ref) else text + " (vs another call)"
 
