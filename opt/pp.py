@@ -56,6 +56,7 @@ from recipe.metrics import StepTimer
 
 IGNORED = -100  # F.cross_entropy's ignore_index: the targets of evaluation's padding rows
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+AnySchedule = ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -269,7 +270,8 @@ class Pipeline(nn.Module):
     def __init__(
         self,
         stages: list[Stage],
-        schedule: ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B,
+        schedules: tuple[AnySchedule, AnySchedule],
+        holds_first: bool,
         config: GPTConfig,
         dist: Distributed,
         tied: tuple[nn.Embedding | nn.Linear | None, torch_dist.ProcessGroup | None],
@@ -281,7 +283,11 @@ class Pipeline(nn.Module):
         # The step's batch: the schedule's buffers have the shapes of its micro-batches.
         self.batch_size, self.microbatches = batch_size, microbatches
         self.stages = nn.ModuleList(stages)
-        self.schedule, self.config = schedule, config
+        # Training's schedule and evaluation's (apply_pp says why two).
+        (self.schedule, self.eval_schedule), self.config = schedules, config
+        # The batch goes to the rank holding the first stage only: torch 2.11 refuses inputs
+        # given to a rank whose first stage receives its input from another rank.
+        self.holds_first = holds_first
         assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
         self.group = dist.mesh["pp"].get_group()
         self.last_rank = dist.mesh["pp"].size() - 1  # holds the last stage under every schedule
@@ -303,7 +309,9 @@ class Pipeline(nn.Module):
         micro-batches); returns the step's loss (the micro-batches' mean) on every rank."""
         losses: list[torch.Tensor] = []
         with self.clock.step():
-            self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+            self.schedule.step(
+                *self._inputs(inputs), target=targets, losses=losses, return_outputs=False
+            )
         tied = self.tied()
         if tied is not None and tied.grad is not None:  # the embedding's + the head's
             tied.grad = _laid_out_as(tied.grad, tied)
@@ -328,11 +336,17 @@ class Pipeline(nn.Module):
             inputs = torch.cat([inputs, inputs[-1:].expand(pad, -1)])
             targets = torch.cat([targets, torch.full_like(targets[-1:], IGNORED).expand(pad, -1)])
         losses: list[torch.Tensor] = []
-        self.schedule.eval(inputs, target=targets, losses=losses)
+        self.eval_schedule.eval(*self._inputs(inputs), target=targets, losses=losses)
         size = self.batch_size // self.microbatches
         rows = [min(max(real - i * size, 0), size) for i in range(self.microbatches)]
         total = sum(loss * n / real for loss, n in zip(losses, rows, strict=False) if n)
         return None, self._broadcast(total if losses else None)
+
+    def _inputs(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The schedule's positional inputs on this rank: the batch where the first stage is,
+        laid out contiguously (torch 2.11 checks every call's strides against its first's: the
+        loader's batches are views of longer rows, evaluation's padded one is not)."""
+        return (inputs.contiguous(),) if self.holds_first else ()
 
     def _broadcast(self, loss: torch.Tensor | float | None) -> torch.Tensor:
         """The last stage's `loss` (None elsewhere), on every rank."""
@@ -386,13 +400,7 @@ def apply_pp(
         Stage(model, range(starts[s], starts[s + 1]), s == 0, s == n_stages - 1, autocast, stream)
         for s in mine
     ]
-    pipeline_stages = [
-        PipelineStage(stage, s, n_stages, dist.device, group=group)
-        for stage, s in zip(stages, mine, strict=True)
-    ]
-
     clock = ComputeClock(dist.device)
-    clock.time_chunks(pipeline_stages)
 
     @clock.timed  # the last stage's head and loss: compute outside its chunks' forward
     def loss_fn(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -402,8 +410,21 @@ def apply_pp(
             return plain(model.head(hidden, targets)[1])  # given targets: the loss
 
     schedule_class = SCHEDULES[cfg.schedule]
-    held = pipeline_stages if schedule_class is ScheduleInterleaved1F1B else pipeline_stages[0]
-    schedule = schedule_class(held, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
+
+    def schedule(timed: bool) -> AnySchedule:
+        """The schedule over this rank's stages, in pipeline wrappers of its own. Training and
+        evaluation get one each: torch 2.11's schedules set their wrappers' receive buffers up
+        once, at the first call, for that call's mode, so an evaluation first (the loop's step
+        0) left buffers that take no gradient for every training step after it."""
+        wrapped = [
+            PipelineStage(stage, s, n_stages, dist.device, group=group)
+            for stage, s in zip(stages, mine, strict=True)
+        ]
+        if timed:
+            clock.time_chunks(wrapped)
+        held = wrapped if schedule_class is ScheduleInterleaved1F1B else wrapped[0]
+        return schedule_class(held, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
+
     tied = _tied_pair(model, dist, first, last)
     layout = ", ".join(f"{starts[s]}-{starts[s + 1] - 1}" for s in range(n_stages))
     log(
@@ -412,8 +433,9 @@ def apply_pp(
         f"{bubble(degree, cfg.microbatches, cfg.stages_per_rank):.0%} of the step (the bubble)"
     )
     return Pipeline(
-        stages, schedule, model.config, dist, tied, plan.batch_size, cfg.microbatches, clock
-    )
+        stages, (schedule(timed=True), schedule(timed=False)), first, model.config, dist, tied,
+        plan.batch_size, cfg.microbatches, clock,
+    )  # fmt: skip
 
 
 def bubble(degree: int, microbatches: int, stages_per_rank: int = 1) -> float:
