@@ -171,6 +171,7 @@ def clip_grad_norm_(
     """Clips the step's gradients to the global norm `max_norm` and returns that norm (on the
     device): over every pipeline stage under +opt=pp, as measured in backward under
     +opt=opt_in_backward (which refuses clipping), over all ranks' shards under FSDP."""
+    tp.reduce_pending_grads([p for group in optimizer.param_groups for p in group["params"]])
     if isinstance(train_model, Pipeline):
         return train_model.clip_grad_norm_(max_norm)
     measured = opt_in_backward.grad_norm_measured(optimizer)

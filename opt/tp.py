@@ -129,6 +129,18 @@ def _replicated_targets(mesh: DeviceMesh) -> Any:
     return hook
 
 
+def reduce_pending_grads(params: list[torch.Tensor]) -> None:
+    """Lays out each gradient still pending a sum over the group (`Partial`: under sequence
+    parallelism the LayerNorms' and the positions' gradients are each rank's share of the
+    sequence) as its parameter, summed: before clipping, which on torch 2.11 scales no
+    `Partial` gradient (measured: one was left 7.7x over the clipped norm; the LayerNorm biases
+    of a tp run were 9% off the one-process run's after two steps), and before the optimizer."""
+    for p in params:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(x.is_partial() for x in grad.placements):
+            p.grad = grad.redistribute(placements=p.placements)  # type: ignore[attr-defined]
+
+
 def _plain_outputs(module: nn.Module, inputs: Any, outputs: tuple) -> tuple:
     return tuple(plain(o) for o in outputs)
 

@@ -13,6 +13,7 @@ import torch
 import torch._dynamo
 from omegaconf import DictConfig, OmegaConf
 from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -82,6 +83,27 @@ def _local_fraction() -> float:
     return sum(p.to_local().numel() for p in model.parameters()) / total  # type: ignore[attr-defined]
 
 
+def _pending_grads() -> list[int]:
+    """How many gradients are pending a sum over the group (`Partial`: sequence parallelism's
+    LayerNorms and positions) after backward, and after the trainer's clipping (none should be:
+    torch 2.11's clip_grad_norm_ leaves such a gradient unclipped)."""
+    cfg, plan = _plan("tp", tp={"sequence_parallel": True})
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=8, vocab_size=60))
+    train_model = opt.apply_model_stages(model, cfg.opt, plan, world.with_mesh(tp=plan.tp_degree))
+    batch = torch.randint(0, 60, (4, 9), generator=torch.Generator().manual_seed(0))
+    with plan.loss_context():
+        train_model(batch[:, :-1], batch[:, 1:])[1].backward()
+
+    def pending() -> int:
+        grads = [p.grad for p in model.parameters() if isinstance(p.grad, DTensor)]
+        return sum(any(x.is_partial() for x in g.placements) for g in grads)
+
+    before = pending()
+    opt.clip_grad_norm_(train_model, torch.optim.AdamW(model.parameters()), 0.5)
+    return [before, pending()]
+
+
 world = distributed.init("cpu")
 found: dict = {"plain": _losses()}
 for sp in (True, False):
@@ -96,6 +118,7 @@ found["compiled"] = {
     "fsdp": _compiled("fsdp"),  # in pieces between FSDP's hooks: each block, embed, head
 }
 found["local_fraction"] = _local_fraction()
+found["pending_grads"] = _pending_grads()
 if world.is_main:
     (Path(sys.argv[1]) / "found.json").write_text(json.dumps(found))
 distributed.shutdown()
