@@ -390,16 +390,41 @@ def _own_layout(tree: Any, like: Any) -> Any:
 
 
 def _replicated(t: DTensor) -> DTensor:
-    """`t` gathered whole on every rank, one mesh dimension at a time from the outermost. Under
-    +opt=[tp,fsdp] FSDP shards each tp rank's strided rows again ((_StridedShard(0, sf=tp),
-    _StridedShard(0, sf=3)) over (dp, tp)); torch redistributes such a pair in one go, or by
-    `full_tensor()`, into rows in the wrong order (measured, torch 2.13), and dimension by
-    dimension right."""
-    placements = list(t.placements)
-    for dim in range(len(placements)):
-        placements[dim] = Replicate()
-        t = t.redistribute(placements=placements)
-    return t
+    """`t` gathered whole on every rank, its rows gathered as they were split, one mesh
+    dimension at a time from the outermost: over a data-parallel dimension FSDP took chunks of
+    each tp rank's rows (in rank order: concatenated back), over tp each rank took its share of
+    every third of the fused QKV rows (`_StridedShard`'s split factor: the thirds rebuilt).
+    Not torch's redistribute: torch 2.11 refuses a strided source outright, and 2.13 gathers
+    the strided pair of +opt=[tp,fsdp] ((_StridedShard(0, sf=tp), _StridedShard(0, sf=3))
+    over (dp, tp)) in one go, or by `full_tensor()`, into rows in the wrong order (measured)."""
+    mesh, local = t.device_mesh, t.to_local()
+    for dim, placement in enumerate(t.placements):
+        if placement.is_replicate():
+            continue
+        parts = _gathered_rows(local, mesh.get_group(dim))
+        innermost = all(p.is_replicate() for p in t.placements[dim + 1 :])
+        if isinstance(placement, _StridedShard) and innermost:  # tp's share of each third
+            pieces = int(placement.split_factor)
+            local = torch.cat([p.chunk(pieces)[j] for j in range(pieces) for p in parts])
+        else:  # FSDP's chunks of the rows below it
+            local = torch.cat(parts)
+    return DTensor.from_local(
+        local, mesh, [Replicate()] * mesh.ndim, shape=t.shape, stride=t.stride(), run_check=False
+    )
+
+
+def _gathered_rows(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's `local` rows (their counts may differ: FSDP's last chunk), in rank order."""
+    world = torch.distributed.get_world_size(group)
+    count = torch.tensor([local.shape[0]], device=local.device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    torch.distributed.all_gather(counts, count, group=group)
+    most = int(max(c.item() for c in counts))
+    padded = torch.zeros((most, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(parts, padded, group=group)
+    return [part[: int(c.item())] for part, c in zip(parts, counts, strict=True)]
 
 
 def _split_as(full: DTensor, own: DTensor) -> DTensor:
