@@ -49,9 +49,8 @@ def _losses(*stages: str, steps: int = 3, **knobs: dict) -> list[float]:
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = plan.grad_scaler(dist.device)
-    batches = torch.randint(
-        0, 64, (steps, 4, 9), generator=torch.Generator().manual_seed(dist.rank)
-    )
+    generator = torch.Generator().manual_seed(dist.rank)  # on the CPU: the same batches on a GPU
+    batches = torch.randint(0, 64, (steps, 4, 9), generator=generator).to(dist.device)
     guard, losses = NonFiniteGuard(dist.device, dist, max_bad_steps=3), []
     for batch in batches:
         inputs, targets = batch[:, :-1], batch[:, 1:]
