@@ -573,17 +573,23 @@ def _runs(row: dict) -> list[float]:
     return [row["tokens_per_sec"]] if row.get("tokens_per_sec") else []
 
 
+def anchors_by_call(segments: Sequence[dict]) -> dict[str, dict]:
+    """Each segment's anchor row (the step re-measured beside its steps), by its call."""
+    return {s["call"]: s["anchor"] for s in segments if s.get("anchor")}
+
+
 def with_ratios(ladder: DictConfig, rows: list[dict], segments: Sequence[dict] = ()) -> list[dict]:
     """Sets each row's `ratio` (tokens/s over the row it is compared with: the one above it in a
     cumulative ladder, else the baseline), `ratio_vs`, `ratio_interval` and `within_noise`, and
     with a `reference` row the same against it (`ratio_ref`, ...)."""
-    anchors = {s["call"]: s["anchor"] for s in segments if s.get("anchor")}
+    anchors = anchors_by_call(segments)
     for row, previous, baseline in comparisons(ladder, rows):
         targets = {"": previous if ladder.cumulative else baseline}
         if ladder.get("reference"):
             targets["_ref"] = baseline
         for suffix, other in targets.items():
-            found = speed_ratio(row, other, anchors) or {}
+            # The baseline is not compared with itself (a ratio of 1 "within noise" says nothing).
+            found = (speed_ratio(row, other, anchors) if other is not row else None) or {}
             row[f"ratio{suffix}"] = found.get("ratio")
             row[f"ratio{suffix}_vs"] = found.get("vs")
             row[f"ratio{suffix}_interval"] = found.get("interval")
@@ -642,18 +648,25 @@ def _loss_cell(row: dict) -> str:
     return f"{loss} **({broken} of {row.get('repeats') or 1} runs diverged)**" if broken else loss
 
 
-def with_efficiency(rows: list[dict]) -> list[dict]:
+def with_efficiency(rows: list[dict], segments: Sequence[dict] = ()) -> list[dict]:
     """Sets each row's per-GPU `efficiency`: its tokens/s over `gpus` times those of the nearest
     1-GPU row above it (`efficiency_vs`), the same workload on one GPU of this host; 1.0 for a
     1-GPU row that ran; None where there is nothing to compare, also below a 1-GPU row that did
-    not run (out of memory, say): the 1-GPU rows above it are another workload's."""
+    not run (out of memory, say): the 1-GPU rows above it are another workload's. A row measured
+    in a later call than that 1-GPU row is compared with its own call's anchor where the anchor
+    is that step (as `speed_ratio`): one machine's numbers."""
+    anchors = anchors_by_call(segments)
     reference = None
     for row in rows:
         gpus = row.setdefault("gpus", row.get("nproc", 1))
         ran = row["status"] == "ok" and row.get("tokens_per_sec")
         if gpus == 1:
             reference = row if ran else None
-        ref_tps = reference["tokens_per_sec"] if reference else None
+        ref = reference
+        anchor = anchors.get(row.get("call") or "")
+        if ref and not same_call(row, ref) and anchor and anchor["name"] == ref["name"]:
+            ref = anchor if anchor["status"] == "ok" and anchor.get("tokens_per_sec") else ref
+        ref_tps = ref["tokens_per_sec"] if ref else None
         row["efficiency"] = (
             round(row["tokens_per_sec"] / (gpus * ref_tps), 4) if ran and ref_tps else None
         )
@@ -661,7 +674,7 @@ def with_efficiency(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _gpus(row: dict) -> str:
+def gpus_label(row: dict) -> str:
     """`2` for 2 GPUs of one torchrun, `2 x 1` for two "machines" of one GPU."""
     nnodes, gpus = row.get("nnodes", 1), row.get("gpus", 1)
     return f"{nnodes} x {gpus // nnodes}" if nnodes > 1 else str(gpus)
@@ -700,7 +713,7 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
             str(row["index"]),
             f"`{row['name']}`",
             row["what"] + (f" (cap {cap} GiB)" if (cap := row.get("memory_cap_gib")) else ""),
-            *([_gpus(row)] if scaling else []),
+            *([gpus_label(row)] if scaling else []),
             _tokens_cell(row),
             *([_fmt(row.get("efficiency"), ".3f")] if scaling else []),
             _ratio(row, previous, key) if ladder.cumulative else "–",
@@ -766,7 +779,7 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
     lines += [f"\n- `{r['name']}`: {r['note']}" for r in rows if r.get("note")]
     lines += ladder_profile.table(
         [(row, previous if ladder.cumulative else baseline) for row, previous, baseline in pairs],
-        {s["call"]: s["anchor"] for s in segments if s.get("anchor")},
+        anchors_by_call(segments),
     )
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
@@ -874,7 +887,7 @@ def publish(
             errors.append(f"{what}: {type(e).__name__}: {e}")
             print(f"[ablate] could not write the {what}: {type(e).__name__}: {e}", flush=True)
 
-    attempt("ratios", lambda: with_ratios(ladder, with_efficiency(rows), segments))
+    attempt("ratios", lambda: with_ratios(ladder, with_efficiency(rows, segments), segments))
     attempt("csv", lambda: write_csv(rows, stem.with_suffix(".csv")))
     attempt(
         "table", lambda: stem.with_suffix(".md").write_text(markdown(ladder, rows, env, segments))

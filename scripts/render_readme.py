@@ -91,11 +91,14 @@ def _num(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def _interval(row: dict) -> str:
-    """`low–high` tokens/s, from [low, high] (or a {"low": .., "high": ..} mapping)."""
+    """`low–high` tokens/s, from [low, high] (or a {"low": .., "high": ..} mapping); none for
+    a single run, whose interval is its one number."""
     interval = row.get("interval")
     if not interval:
         return MISSING
     values = list(interval.values()) if isinstance(interval, dict) else list(interval)
+    if min(values) == max(values):
+        return MISSING
     return f"{min(values):,.0f}–{max(values):,.0f}"
 
 
@@ -217,6 +220,22 @@ def xl_target(result: dict) -> str:
     )
 
 
+def scaling(result: dict) -> str:
+    """Every row of the scaling ladder that was measured: GPUs, tokens/s with their spread, and
+    the per-GPU efficiency against the 1-GPU row of the same call (ablate.with_efficiency)."""
+    cells = []
+    for row in result["steps"]:
+        efficiency = _num(row.get("efficiency"), ".3f")
+        if row["status"] != "ok":
+            efficiency = row["status"]
+        cells.append([f"`{row['name']}`: {row['what']}", ablate.gpus_label(row)])
+        cells[-1] += [_num(row.get("tokens_per_sec"), ",.0f"), _interval(row)]
+        cells[-1] += [str(row.get("repeats", MISSING)), efficiency]
+        cells[-1].append(_num(row.get("peak_allocated_gib"), ".2f"))
+    header = ["step", "GPUs", "tokens/s", "interval", "repeats", "per-GPU efficiency", "peak GiB"]
+    return table(header, cells)
+
+
 def nanogpt(result: dict) -> str:
     return vs_nanogpt.headline(result) + "\n\n" + vs_nanogpt.equal_work_table(result)
 
@@ -244,6 +263,7 @@ KINDS: dict[str, tuple[Callable[[dict], str], bool]] = {  # kind: (render, is a 
     "memory_range": (memory_range, False),
     "memory_xl": (memory_xl, True),
     "xl_target": (xl_target, False),
+    "scaling": (scaling, True),
     "vs_nanogpt": (nanogpt, True),
     "quality": (quality, False),
     "checkpoint_save": (checkpoint_save, False),

@@ -215,6 +215,45 @@ def test_per_gpu_efficiency_is_against_the_nearest_one_gpu_row() -> None:
     assert [r["efficiency_vs"] for r in done] == ["a", "a", None, "c", "c", None, None, None]
 
 
+def test_the_baseline_row_is_not_compared_with_itself() -> None:
+    ladder = OmegaConf.create({"name": "scaling", "cumulative": False})
+    rows = [
+        {
+            "index": 0,
+            "name": "one_gpu",
+            "status": "ok",
+            "tokens_per_sec_runs": [100.0, 101.0],
+            "call": "c",
+        },
+        {
+            "index": 1,
+            "name": "ddp",
+            "status": "ok",
+            "tokens_per_sec_runs": [190.0, 194.0],
+            "call": "c",
+        },
+    ]
+    done = ablate.with_ratios(ladder, rows)
+    assert done[0]["ratio"] is None and done[0]["within_noise"] is None
+    assert done[1]["ratio"] == pytest.approx(1.9104, abs=1e-4) and done[1]["ratio_vs"] == "one_gpu"
+
+
+def test_a_later_calls_efficiency_is_against_that_calls_own_one_gpu_run() -> None:
+    """Rows of a later call (a segment anchored on the 1-GPU step) divide by the anchor that ran
+    beside them, not by the 1-GPU row of another call; without such an anchor, by the row."""
+    rows = [
+        {"name": "one_gpu", "gpus": 1, "status": "ok", "tokens_per_sec": 100.0, "call": "c1"},
+        {"name": "ddp", "gpus": 2, "status": "ok", "tokens_per_sec": 190.0, "call": "c1"},
+        {"name": "ddp4", "gpus": 4, "status": "ok", "tokens_per_sec": 400.0, "call": "c2"},
+        {"name": "fsdp4", "gpus": 4, "status": "ok", "tokens_per_sec": 360.0, "call": "c3"},
+    ]
+    anchor = {"name": "one_gpu", "status": "ok", "tokens_per_sec": 125.0, "call": "c2"}
+    segments = [{"call": "c1", "anchor": None}, {"call": "c2", "anchor": anchor}]
+    done = ablate.with_efficiency(rows, segments)
+    assert [r["efficiency"] for r in done] == [1.0, 0.95, 0.8, 0.9]
+    assert {r["efficiency_vs"] for r in done} == {"one_gpu"}
+
+
 def _run_steps(tmp_path, steps: list[dict], timeout_s: int = 600) -> tuple[list[dict], Path]:
     """Runs steps on the quick ladder's workload with the harness; returns the rows and the
     folder they were published to."""

@@ -76,6 +76,24 @@ def test_repeats_interval_and_noise_are_shown_and_missing_fields_are_dashes(tmp_
     assert not any("not_in_the_readme" in r or "| 1 |" in r for r in rows)
 
 
+def test_scaling_shows_every_row_with_its_gpus_efficiency_or_status(tmp_path: Path) -> None:
+    base = {"status": "ok", "peak_allocated_gib": 15.0}
+    steps = [
+        {**base, "name": "one_gpu", "what": "1 GPU", "tokens_per_sec": 100_000.0, "repeats": 3,
+         "interval": [99_000.0, 101_000.0], "efficiency": 1.0},
+        {**base, "name": "two_nodes", "what": "2 x 1", "gpus": 2, "nnodes": 2,
+         "tokens_per_sec": 188_000.0, "repeats": 1, "interval": [188_000.0, 188_000.0],
+         "efficiency": 0.94},
+        {"name": "xl_pp2", "what": "a pipeline", "status": "failed", "gpus": 2},
+    ]  # fmt: skip
+    path = _results(tmp_path, "scaling.json", steps)
+    lines = render_readme.render(_marked("scaling", path), tmp_path).split("\n")
+    assert "| `one_gpu`: 1 GPU | 1 | 100,000 | 99,000–101,000 | 3 | 1.000 | 15.00 |" in lines
+    # One run: no interval (its only number twice); two "machines" of one GPU each.
+    assert "| `two_nodes`: 2 x 1 | 2 x 1 | 188,000 | — | 1 | 0.940 | 15.00 |" in lines
+    assert "| `xl_pp2`: a pipeline | 2 | — | — | — | failed | — |" in lines
+
+
 def test_memory_xl_is_relative_to_ac_and_marks_the_target(tmp_path: Path) -> None:
     base = {"status": "ok", "git_commit": "a", "peak_reserved_gib": 16.0}
     steps = [
