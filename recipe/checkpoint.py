@@ -1046,7 +1046,7 @@ def _split_strided(
 ) -> None:
     """Puts the strided parameters of a whole checkpoint (`_whole_strided`), and their optimizer
     state, in place again by `_split_as`: `set_state_dict` splits a whole tensor into a strided
-    pair (+opt=[tp,fsdp]) as wrongly as torch's one-go redistribute (`_replicated`)."""
+    pair (+opt=[tp,fsdp]) as wrongly as torch's one-go redistribute gathers it (`_replicated`)."""
     params = dict(model.named_parameters())
     for name, wholes in strided.items():
         param = params[name]
