@@ -271,7 +271,6 @@ class Pipeline(nn.Module):
         self,
         stages: list[Stage],
         schedules: tuple[AnySchedule, AnySchedule],
-        holds_first: bool,
         config: GPTConfig,
         dist: Distributed,
         tied: tuple[nn.Embedding | nn.Linear | None, torch_dist.ProcessGroup | None],
@@ -285,9 +284,9 @@ class Pipeline(nn.Module):
         self.stages = nn.ModuleList(stages)
         # Training's schedule and evaluation's (apply_pp says why two).
         (self.schedule, self.eval_schedule), self.config = schedules, config
-        # The batch goes to the rank holding the first stage only: torch 2.11 refuses inputs
-        # given to a rank whose first stage receives its input from another rank.
-        self.holds_first = holds_first
+        # The batch goes to the rank holding the first stage only (the one with embeddings):
+        # torch 2.11 refuses inputs given to a stage that receives them from another rank.
+        self.holds_first = stages[0].embeddings is not None
         assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
         self.group = dist.mesh["pp"].get_group()
         self.last_rank = dist.mesh["pp"].size() - 1  # holds the last stage under every schedule
@@ -433,7 +432,7 @@ def apply_pp(
         f"{bubble(degree, cfg.microbatches, cfg.stages_per_rank):.0%} of the step (the bubble)"
     )
     return Pipeline(
-        stages, (schedule(timed=True), schedule(timed=False)), first, model.config, dist, tied,
+        stages, (schedule(timed=True), schedule(timed=False)), model.config, dist, tied,
         plan.batch_size, cfg.microbatches, clock,
     )  # fmt: skip
 

@@ -419,12 +419,12 @@ def _gathered_rows(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
     count = torch.tensor([local.shape[0]], device=local.device)
     counts = [torch.empty_like(count) for _ in range(world)]
     torch.distributed.all_gather(counts, count, group=group)
-    most = int(max(c.item() for c in counts))
-    padded = torch.zeros((most, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    sizes = [int(c) for c in counts]
+    padded = local.new_zeros((max(sizes), *local.shape[1:]))
     padded[: local.shape[0]] = local
     parts = [torch.empty_like(padded) for _ in range(world)]
     torch.distributed.all_gather(parts, padded, group=group)
-    return [part[: int(c.item())] for part, c in zip(parts, counts, strict=True)]
+    return [part[:size] for part, size in zip(parts, sizes, strict=True)]
 
 
 def _split_as(full: DTensor, own: DTensor) -> DTensor:

@@ -529,15 +529,11 @@ def speed_ratio(row: dict, other: dict | None, anchors: dict[str, dict]) -> dict
     (None with a single run: nothing to judge)."""
     if row["status"] != "ok" or not other or other["status"] != "ok":
         return None
-    mine, theirs = _runs(row), _runs(other)
+    beside = measured_beside(row, other, anchors)
+    mine, theirs = _runs(row), _runs(beside)
     if not mine or not theirs:
         return None
-    call = row.get("call")
-    one_call = same_call(row, other)
-    anchor = anchors.get(call) if call else None
-    if not one_call and anchor and anchor["name"] == other["name"] and anchor["status"] == "ok":
-        theirs, one_call = _runs(anchor), True
-    if not one_call:
+    if not same_call(row, beside):
         ratio = statistics.median(mine) / statistics.median(theirs)
         return {"vs": other["name"], "ratio": round(ratio, 4), "interval": None,
                 "within_noise": None, "across_calls": True}  # fmt: skip
@@ -555,6 +551,15 @@ def speed_ratio(row: dict, other: dict | None, anchors: dict[str, dict]) -> dict
         "within_noise": (interval[0] <= 1 <= interval[1]) if several else None,
         "across_calls": False,
     }
+
+
+def measured_beside(row: dict, other: dict, anchors: dict[str, dict]) -> dict:
+    """`other` as measured in `row`'s call: that call's anchor (`anchors_by_call`) where `other`
+    ran in another call and the anchor is the same step and ran; else `other` itself."""
+    anchor = anchors.get(row.get("call") or "")
+    if anchor and anchor["name"] == other["name"] and anchor["status"] == "ok":
+        return other if same_call(row, other) else anchor
+    return other
 
 
 def same_call(row: dict, other: dict) -> bool:
@@ -654,7 +659,7 @@ def with_efficiency(rows: list[dict], segments: Sequence[dict] = ()) -> list[dic
     1-GPU row that ran; None where there is nothing to compare, also below a 1-GPU row that did
     not run (out of memory, say): the 1-GPU rows above it are another workload's. A row measured
     in a later call than that 1-GPU row is compared with its own call's anchor where the anchor
-    is that step (as `speed_ratio`): one machine's numbers."""
+    is that step (`measured_beside`): one machine's numbers."""
     anchors = anchors_by_call(segments)
     reference = None
     for row in rows:
@@ -662,10 +667,7 @@ def with_efficiency(rows: list[dict], segments: Sequence[dict] = ()) -> list[dic
         ran = row["status"] == "ok" and row.get("tokens_per_sec")
         if gpus == 1:
             reference = row if ran else None
-        ref = reference
-        anchor = anchors.get(row.get("call") or "")
-        if ref and not same_call(row, ref) and anchor and anchor["name"] == ref["name"]:
-            ref = anchor if anchor["status"] == "ok" and anchor.get("tokens_per_sec") else ref
+        ref = measured_beside(row, reference, anchors) if reference else None
         ref_tps = ref["tokens_per_sec"] if ref else None
         row["efficiency"] = (
             round(row["tokens_per_sec"] / (gpus * ref_tps), 4) if ran and ref_tps else None

@@ -185,15 +185,10 @@ def _xl_rows(result: dict) -> tuple[list[tuple[str, dict]], dict]:
 
 
 def _measured_beside(result: dict, row: dict, reference: dict) -> dict:
-    """`reference` as re-measured in `row`'s call (that call's anchor), where the row's call is
-    not the reference's own: a ratio within one machine. Else `reference`."""
-    if row.get("call") in (None, reference.get("call")):
-        return reference
-    for segment in result.get("segments", []):
-        anchor = segment.get("anchor") or {}
-        if segment["call"] == row["call"] and anchor.get("name") == reference["name"]:
-            return anchor
-    return reference
+    """`reference` as re-measured in `row`'s call (ablate.measured_beside), from the segments
+    of `result`."""
+    anchors = ablate.anchors_by_call(result.get("segments", []))
+    return ablate.measured_beside(row, reference, anchors)
 
 
 def memory_xl(result: dict) -> str:
