@@ -139,7 +139,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     t, max_steps = cfg.train, cfg.train.max_steps
     if run.finished(max_steps):
         return finished_already(run_dir, run.step, dist)
-    profiler = Profiler(cfg.prof, run_dir, dist.device, enabled=dist.is_main)  # memory: from here
+    profiler = Profiler(cfg.prof, run_dir, dist.device, dist.rank)  # memory: from here
     torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank
 
     # ---- data: prepared once per machine by its first process (atomic); the others wait on

@@ -1,7 +1,9 @@
 """Optional per-run profiling, switched on with `+prof=trace` or `+prof=memory`:
 
 - trace: a PyTorch profiler trace of a few steps (CPU ops and CUDA kernels) written to
-  `<run>/trace.json`; open it in https://ui.perfetto.dev or chrome://tracing. With
+  `<run>/trace.json` (rank 0; every other rank of a multi-process run to `trace-rank<R>.json`:
+  a parallel step's time is only explained by all of its ranks, one of which may wait for the
+  others); open it in https://ui.perfetto.dev or chrome://tracing. With
   `prof.trace.cpu=false` only the kernels (a smaller trace; recording still costs host time per
   kernel launch, which a host-bound step shows as GPU idle).
 - memory: a CUDA memory snapshot of the first steps (every allocation with its stack) written to
@@ -19,17 +21,18 @@ from recipe.distributed import log
 from recipe.errors import ConfigError
 
 
+def trace_name(rank: int) -> str:
+    """The file a rank's trace is written to, in the run folder."""
+    return "trace.json" if rank == 0 else f"trace-rank{rank}.json"
+
+
 class Profiler:
     """Call `step()` after every optimizer step and `close()` at the end; does nothing unless a
-    `prof` option is selected. Only rank 0 records."""
+    `prof` option is selected. Every rank records its trace; the memory snapshot is rank 0's."""
 
-    def __init__(
-        self, prof: DictConfig, run_dir: Path, device: torch.device, enabled: bool
-    ) -> None:
-        self.run_dir, self.steps = run_dir, 0
+    def __init__(self, prof: DictConfig, run_dir: Path, device: torch.device, rank: int) -> None:
+        self.run_dir, self.rank, self.steps = run_dir, rank, 0
         self.trace = self.memory = None
-        if not enabled:
-            return
         if "trace" in prof:
             cfg = prof.trace
             if not cfg.cpu and device.type != "cuda":
@@ -52,14 +55,14 @@ class Profiler:
                 with_stack=cfg.with_stack,
             )
             self.trace.start()
-        if "memory" in prof:
+        if "memory" in prof and rank == 0:
             if device.type != "cuda":
                 raise ConfigError("+prof=memory records CUDA allocations: it needs device=cuda")
             self.memory = prof.memory
             torch.cuda.memory._record_memory_history(max_entries=prof.memory.max_entries)
 
     def _save_trace(self, profiler: torch.profiler.profile) -> None:
-        path = self.run_dir / "trace.json"
+        path = self.run_dir / trace_name(self.rank)
         profiler.export_chrome_trace(str(path))
         log(f"[prof] trace of {profiler.step_num} steps: {path} (open in ui.perfetto.dev)")
 

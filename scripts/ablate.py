@@ -676,6 +676,16 @@ def with_efficiency(rows: list[dict], segments: Sequence[dict] = ()) -> list[dic
     return rows
 
 
+def efficiency_reference(row: dict, rows: list[dict], segments: Sequence[dict]) -> dict | None:
+    """The 1-GPU row that `row`'s efficiency is against, as measured in `row`'s call where that
+    call re-measured it and profiled it too (else as the ladder has it)."""
+    reference = next((r for r in rows if r["name"] == row.get("efficiency_vs")), None)
+    if reference is None:
+        return None
+    beside = measured_beside(row, reference, anchors_by_call(segments))
+    return beside if beside.get("breakdown") else reference
+
+
 def gpus_label(row: dict) -> str:
     """`2` for 2 GPUs of one torchrun, `2 x 1` for two "machines" of one GPU."""
     nnodes, gpus = row.get("nnodes", 1), row.get("gpus", 1)
@@ -782,6 +792,9 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
     lines += ladder_profile.table(
         [(row, previous if ladder.cumulative else baseline) for row, previous, baseline in pairs],
         anchors_by_call(segments),
+    )
+    lines += ladder_profile.parallel_table(
+        [(row, efficiency_reference(row, rows, segments)) for row, _, _ in pairs]
     )
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:

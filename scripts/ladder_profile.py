@@ -66,13 +66,16 @@ def key(family: str) -> str:
 
 
 def families(trace_path: Path) -> dict[str, Any]:
-    """What a row gains from its profiled run's trace: `families_ms` (ms per recorded step, every
-    family of step_budget.ORDER) and `profile` (the trace, steps recorded, window and busy time
-    per step: on a GPU the kernels' time, on a CPU the operators')."""
+    """What a row gains from its profiled run's traces: `families_ms` (rank 0's ms per recorded
+    step, every family of step_budget.ORDER), `profile` (the trace, steps recorded, window and
+    busy time per step: on a GPU the kernels' time, on a CPU the operators') and, from a GPU,
+    `breakdown` (`parallel_breakdown`: every rank's step as compute, exposed communication,
+    pipeline wait and idle, and their mean over the ranks)."""
     if not trace_path.exists():
         raise FileNotFoundError(f"the profiled run wrote no {trace_path}")
-    result = step_budget.budget(json.loads(trace_path.read_text()), ACTIVE)
-    return {
+    traces = [json.loads(path.read_text()) for path in rank_traces(trace_path)]
+    result = step_budget.budget(traces[0], ACTIVE)
+    found: dict[str, Any] = {
         "families_ms": {key(f): round(result["family_ms"][f], 3) for f in FAMILIES},
         "profile": {
             "status": "ok",
@@ -82,6 +85,91 @@ def families(trace_path: Path) -> dict[str, Any]:
             "busy_ms": round(result["busy_ms"], 3),
         },
     }
+    per_rank = [step_budget.parallel_breakdown(trace) for trace in traces]
+    if all(parts is not None for parts in per_rank):
+        found["breakdown"] = breakdown(per_rank)  # type: ignore[arg-type]
+    return found
+
+
+def rank_traces(trace_path: Path) -> list[Path]:
+    """Rank 0's trace and, beside it, the other ranks' (recipe/profiling.py's names), by rank."""
+    others = trace_path.parent.glob("trace-rank*.json")
+    return [trace_path, *sorted(others, key=lambda p: int(p.stem.removeprefix("trace-rank")))]
+
+
+def breakdown(per_rank: list[dict[str, float]]) -> dict[str, Any]:
+    """The ranks' parts of a step, their mean (the row's numbers) and each rank's."""
+    names = (*step_budget.PARTS, "comm", "step")
+    mean = {k: round(sum(r[k] for r in per_rank) / len(per_rank), 3) for k in names}
+    ranks = [{k: round(r[k], 3) for k in names} for r in per_rank]
+    return {**mean, "ranks": ranks}
+
+
+def explained_efficiency(row: dict, reference: dict) -> dict[str, float] | None:
+    """How a row's per-GPU efficiency follows from its profiled step and its 1-GPU reference's:
+    efficiency = (its compute share / the reference's) / (its compute per token per GPU / the
+    reference's). `compute_ratio` above 1: the same tokens cost more kernel time (smaller
+    matmuls under tp, FSDP's copies, recomputation); a share below the reference's: time lost
+    to exposed communication, the bubble or the host. None without both breakdowns."""
+    mine, theirs = row.get("breakdown"), reference.get("breakdown")
+    measured = row.get("tokens_per_sec") and reference.get("tokens_per_sec")
+    if not mine or not theirs or not measured:
+        return None
+
+    def compute_per_token(r: dict, parts: dict) -> float:
+        tokens_per_gpu_step = r["tokens_per_sec"] * r["step_ms"] / 1e3 / r.get("gpus", 1)
+        return parts["compute"] / tokens_per_gpu_step
+
+    share = (mine["compute"] / mine["step"]) / (theirs["compute"] / theirs["step"])
+    ratio = compute_per_token(row, mine) / compute_per_token(reference, theirs)
+    return {"compute_share_ratio": round(share, 4), "compute_ratio": round(ratio, 4),
+            "explained": round(share / ratio, 4)}  # fmt: skip
+
+
+def parallel_table(pairs: list[tuple[dict, dict | None]]) -> list[str]:
+    """The markdown lines of "where a parallel step's time went": for each profiled row (with the
+    1-GPU row its efficiency is against) the mean over its ranks of compute, exposed
+    communication, pipeline wait and idle, in ms per step and as a share of it, the compute per
+    token against the reference, and the efficiency those explain beside the measured one.
+    Empty when no profiled row has several GPUs."""
+    shown = [(row, ref) for row, ref in pairs if row.get("breakdown") and row.get("gpus", 1) > 1]
+    if not shown:
+        return []
+    lines = [
+        "",
+        "### Where a parallel step's time went",
+        "",
+        "| # | step | profiled step ms | compute | exposed comm | pipeline wait | idle "
+        "| compute per token vs 1 GPU | explained efficiency | measured efficiency |",
+        "|" + "---|" * 10,
+    ]
+    for row, ref in [*((r, f) for r, f in pairs if r.get("gpus", 1) == 1 and r.get("breakdown")),
+                     *shown]:  # fmt: skip
+        b = row["breakdown"]
+        parts = [f"{b[p]:.2f} ({100 * b[p] / b['step']:.0f}%)" for p in step_budget.PARTS]
+        found = explained_efficiency(row, ref) if ref and ref is not row else None
+        efficiency = row.get("efficiency")
+        cells = [
+            str(row["index"]), f"`{row['name']}`", f"{b['step']:.2f}", *parts,
+            _fmt_ratio(found, "compute_ratio"), _fmt_ratio(found, "explained"),
+            "–" if efficiency is None else f"{efficiency:.3f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "The mean over a row's ranks of one extra run after the timed ones, with the profiler on "
+        "every rank: ms per step and share of it. compute: some kernel other than NCCL's runs; "
+        "exposed comm: a collective runs and nothing else (communication no computation hides); "
+        "pipeline wait: only a send/recv runs (the stage waits for its neighbour: the bubble); "
+        "idle: no kernel runs (the GPU waits for the host). Explained efficiency = (compute share "
+        "/ the 1-GPU row's) / (compute per token per GPU / the 1-GPU row's): what the parts "
+        "account for of the measured per-GPU efficiency (the profiler slows every step a little).",
+    ]
+    return lines
+
+
+def _fmt_ratio(found: dict[str, float] | None, name: str) -> str:
+    return "–" if found is None else f"{found[name]:.3f}"
 
 
 def _cell(value: float | None, before: float | None) -> str:

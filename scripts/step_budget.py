@@ -59,6 +59,11 @@ FAMILIES = (
     ),
 )
 ORDER = [name for name, _ in FAMILIES] + ["other", "idle"]
+# NCCL's point-to-point kernels (a pipeline's activations and gradients between stages): while
+# one runs and nothing else does, the stage is waiting for its neighbour, i.e. in the bubble.
+P2P = re.compile(r"nccl.*(sendrecv|_send|_recv)", re.I)
+# The parts of a parallel step, on one rank's GPU timeline (`parallel_breakdown`).
+PARTS = ("compute", "exposed_comm", "pipeline_wait", "idle")
 
 
 class Op(NamedTuple):
@@ -126,6 +131,42 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
         total += stop - max(start, end)
         end = stop
     return total
+
+
+def parallel_breakdown(trace: dict) -> dict[str, float] | None:
+    """Where one rank's recorded steps went, in ms per step, the parts adding up to the step:
+    `compute` (some kernel other than NCCL's runs), `exposed_comm` (a collective runs and no
+    computation: communication that nothing overlaps), `pipeline_wait` (only a send/recv runs:
+    the stage waits for its neighbour, the pipeline's bubble), `idle` (no kernel at all: the GPU
+    waits for the host). Also `comm` (every collective's time) and `step`. None for a trace
+    without GPU kernels (a CPU run), whose operators do not show what overlaps."""
+    kernels = gpu_events(trace)
+    spans = step_spans(trace)
+    if not kernels or not spans:
+        return None
+    start, end = min(a for a, _ in spans), max(b for _, b in spans)
+
+    def clipped(ops: list[Op]) -> list[tuple[float, float]]:
+        inside = [(max(o.ts, start), min(o.ts + o.dur, end)) for o in ops]
+        return [(a, b) for a, b in inside if b > a]
+
+    comm = [k for k in kernels if k.family == "communication"]
+    p2p = clipped([k for k in comm if P2P.search(k.name)])
+    collectives = clipped([k for k in comm if not P2P.search(k.name)])
+    compute = clipped([k for k in kernels if k.family != "communication"])
+    busy_compute = busy_time(compute)
+    busy_with_collectives = busy_time(compute + collectives)
+    busy_all = busy_time(compute + collectives + p2p)
+    steps, window = len(spans), end - start
+    us = {
+        "compute": busy_compute,
+        "exposed_comm": busy_with_collectives - busy_compute,
+        "pipeline_wait": busy_all - busy_with_collectives,
+        "idle": window - busy_all,
+        "comm": busy_time(collectives),
+        "step": window,
+    }
+    return {k: v / 1e3 / steps for k, v in us.items()}
 
 
 def roofline_ms(a: argparse.Namespace) -> dict[str, float]:

@@ -233,3 +233,67 @@ def test_a_real_cpu_ladder_records_a_trace_and_fills_the_families(tmp_path) -> N
     assert families["matmul"] > 0 and families["optimizer"] > 0 and families["loss"] > 0
     assert families["norm_elementwise"] > 0 and families["attention"] > 0
     assert sum(families.values()) == pytest.approx(row["profile"]["step_ms"], rel=0.05)
+
+
+def parallel_trace(all_reduce: tuple[float, float], send_recv: tuple[float, float]) -> dict:
+    """One recorded step of 100 us on a rank's GPU: compute 0-40 and 50-70, an all-reduce and a
+    send/recv at the given (start, length), nothing after 90 us."""
+    kernels = [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 0, 40),
+        ("triton_per_fused_native_layer_norm_0", 50, 20),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", *all_reduce),
+        ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", *send_recv),
+    ]
+    events = [_event("ProfilerStep#3", 0, 100, cat="gpu_user_annotation")]
+    events += [_event(name, start, length) for name, start, length in kernels]
+    return {"traceEvents": events}
+
+
+def test_a_parallel_step_splits_into_compute_exposed_comm_pipeline_wait_and_idle() -> None:
+    """The all-reduce 30-55 is hidden by compute but for 40-50 (exposed); the send/recv 72-90
+    runs alone (the stage waits for its neighbour: the bubble); 70-72 and 90-100 no kernel runs
+    (idle); the parts add up to the step."""
+    parts = step_budget.parallel_breakdown(parallel_trace((30, 25), (72, 18)))
+    assert parts is not None
+    expected = {"compute": 60, "exposed_comm": 10, "pipeline_wait": 18, "idle": 12,
+                "comm": 25, "step": 100}  # fmt: skip
+    assert parts == pytest.approx({k: v / 1e3 for k, v in expected.items()})
+    assert sum(parts[p] for p in step_budget.PARTS) == pytest.approx(parts["step"])
+    assert step_budget.parallel_breakdown(gpu_trace())["exposed_comm"] == 0  # no NCCL: none
+    cpu_only = {"traceEvents": [_event("aten::mm", 0, 10, cat="cpu_op")]}
+    assert step_budget.parallel_breakdown(cpu_only) is None  # a CPU run shows no overlap
+
+
+def test_every_ranks_trace_gives_the_rows_breakdown(tmp_path) -> None:
+    """A row's breakdown is the mean over the traces of its ranks (trace.json, trace-rankN.json),
+    each rank's kept too: a rank that waits for the others is seen."""
+    (tmp_path / "trace.json").write_text(json.dumps(parallel_trace((30, 25), (72, 18))))
+    (tmp_path / "trace-rank1.json").write_text(json.dumps(parallel_trace((30, 5), (72, 2))))
+    found = ladder_profile.families(tmp_path / "trace.json")["breakdown"]
+    assert [r["exposed_comm"] for r in found["ranks"]] == [0.01, 0.0]
+    assert [r["pipeline_wait"] for r in found["ranks"]] == [0.018, 0.002]
+    assert found["exposed_comm"] == pytest.approx(0.005) and found["step"] == pytest.approx(0.1)
+
+
+def test_the_parallel_table_explains_the_efficiency_by_its_parts() -> None:
+    """efficiency = (compute share / the 1-GPU row's) / (compute per token per GPU / its): a row
+    whose compute is 76% of its step against 95% on one GPU, at 1.1x the compute per token,
+    explains 0.76 / 0.95 / 1.1 = 0.727 of the 1-GPU row's speed per GPU: its measured one."""
+    one = {"index": 0, "name": "one_gpu", "gpus": 1, "tokens_per_sec": 1000.0, "step_ms": 100.0,
+           "breakdown": {"compute": 95.0, "exposed_comm": 0.0, "pipeline_wait": 0.0, "idle": 5.0,
+                         "comm": 0.0, "step": 100.0}}  # fmt: skip
+    # 2 GPUs, 100 tokens per GPU a step as on one GPU, 1.1x the compute per token: 104.5 ms.
+    two = {"index": 1, "name": "ddp", "gpus": 2, "tokens_per_sec": 0.0, "step_ms": 137.5,
+           "efficiency": 0.727,
+           "breakdown": {"compute": 104.5, "exposed_comm": 20.0, "pipeline_wait": 0.0,
+                         "idle": 13.0, "comm": 30.0, "step": 137.5}}  # fmt: skip
+    two["tokens_per_sec"] = 200 / 0.1375  # 200 tokens a step over both GPUs
+    found = ladder_profile.explained_efficiency(two, one)
+    assert found is not None
+    assert found["compute_share_ratio"] == pytest.approx(0.8, abs=1e-4)
+    assert found["compute_ratio"] == pytest.approx(1.1)
+    assert found["explained"] == pytest.approx(two["tokens_per_sec"] / 2 / 1000, abs=1e-4)
+    lines = ladder_profile.parallel_table([(one, one), (two, one)])
+    row = next(line for line in lines if "`ddp`" in line)
+    assert "20.00 (15%)" in row and "| 1.100 | 0.727 | 0.727 |" in row
+    assert ladder_profile.parallel_table([(one, one)]) == []  # no parallel row: no table

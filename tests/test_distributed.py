@@ -96,7 +96,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     train(tiny_cfg(*RUN, "train.batch_size=4"), root / "single")
     out = {"single": root / "single"}
     launches = [
-        ("ddp", []),
+        # Profiled too (it changes no number): every rank writes its trace.
+        ("ddp", ["+prof=trace", "prof.trace.wait=0", "prof.trace.warmup=1", "prof.trace.active=2"]),
         ("fsdp", ["+opt=fsdp"]),
         ("ddp_accum", ["+opt=[ddp,accum]"]),
         ("fsdp_accum", ["+opt=[fsdp,accum]"]),
@@ -127,6 +128,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     _launch(two_nodes, two_nodes)
     out["two_nodes"] = root / "two_nodes"
     return out
+
+
+@pytest.mark.distributed
+def test_every_rank_writes_its_trace(runs) -> None:
+    """+prof=trace under torchrun: rank 0's trace.json and rank 1's trace-rank1.json, each with
+    the recorded steps (a parallel step is explained by all of its ranks)."""
+    for name in ("trace.json", "trace-rank1.json"):
+        events = json.loads((runs["ddp"] / name).read_text())["traceEvents"]
+        steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+        assert len(steps) == 2, name
 
 
 @pytest.mark.distributed

@@ -221,11 +221,11 @@ def test_prof_trace_cpu_false_records_the_gpus_kernels_only(tmp_path, monkeypatc
     monkeypatch.setattr(profiling.torch.profiler, "profile", Recorder)
     prof = OmegaConf.create({"trace": {"wait": 1, "warmup": 1, "active": 2, "record_shapes": False,
                                        "with_stack": False, "cpu": False}})  # fmt: skip
-    profiling.Profiler(prof, tmp_path, torch.device("cuda"), enabled=True)
+    profiling.Profiler(prof, tmp_path, torch.device("cuda"), rank=0)
     assert asked["activities"] == [torch.profiler.ProfilerActivity.CUDA] and asked["started"]
     prof.trace.cpu = True
-    profiling.Profiler(prof, tmp_path, torch.device("cuda"), enabled=True)
+    profiling.Profiler(prof, tmp_path, torch.device("cuda"), rank=0)
     assert torch.profiler.ProfilerActivity.CPU in asked["activities"]
     prof.trace.cpu = False
     with pytest.raises(ValueError, match=r"prof.trace.cpu=false records the GPU's kernels only"):
-        profiling.Profiler(prof, tmp_path, torch.device("cpu"), enabled=True)
+        profiling.Profiler(prof, tmp_path, torch.device("cpu"), rank=0)
