@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import pickle
 import shlex
 import signal
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 from test_after_training import evaluate_app, export_app, tool_cfg
 
 from conftest import ROOT, TINY, python, tiny_run
-from recipe import config, rundir
+from recipe import config, errors, rundir
 from recipe.checkpoint import FILENAME
 from tools import sample as sample_app
 from train import closing_line
@@ -137,6 +139,38 @@ def test_out_is_checked_before_the_work(tmp_path, app) -> None:
         cfg = tool_cfg(app, f"run={tmp_path / 'nothing here'}", f"out={out}")
         with pytest.raises(SystemExit, match=rf"^{app}.py: error: out=.*{problem}"):
             main.__wrapped__(cfg)
+
+
+# ---- a compile cache that is not the user's own is never read
+
+
+class _Payload:
+    """A pickle that writes `marker` when it is loaded: what a planted cache entry could run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.write_text, (self.marker, "code ran")
+
+
+@pytest.mark.parametrize("foreign", ["world-writable", "another user's"])
+def test_a_planted_compile_cache_is_refused_before_any_of_it_is_read(tmp_path, foreign) -> None:
+    cache, marker = tmp_path / "cc", tmp_path / "marker"
+    for entry in ("float32/aotautograd/planted/entry", "float32/fxgraph/pl/planted/entry"):
+        (cache / entry).parent.mkdir(parents=True)
+        (cache / entry).write_bytes(pickle.dumps(_Payload(marker)))
+    if foreign == "world-writable":
+        cache.chmod(0o777)
+    elif os.getuid() == 0:
+        for folder in (cache, cache / "float32"):
+            os.chown(folder, 65534, 65534)
+    else:
+        pytest.skip("making a folder another user's takes root")
+    with pytest.raises(errors.Unusable, match=r"compile cache .*cc.*pickles and compiled code"):
+        tiny_run(tmp_path / "run", "train.max_steps=2", "+opt=compile",
+                 f"opt.compile.cache_dir={cache}", *QUIET)  # fmt: skip
+    assert not marker.exists()
 
 
 # ---- 11. dead ends
