@@ -74,7 +74,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from data import integrity
 from recipe.distributed import Distributed, log
 from recipe.errors import ConfigError, MissingFile, Unusable
-from recipe.files import write_text_atomically
+from recipe.files import refuse_link, write_text_atomically
 
 FILENAME = "checkpoint.pt"
 SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256.json) and LATEST
@@ -546,6 +546,7 @@ class Saver:
                 f"step {step}: the weights are not finite, so no checkpoint was written (the "
                 f"last good one: {kept}). Try a lower train.lr or opt.amp.dtype=bfloat16."
             )
+        self._refuse_links(step)
         meta = {"scaler": scaler.state_dict(), "step": step, "rng": dist.gather(_rng_state()),
                 **run_state}  # fmt: skip
         if _is_sharded(model) or _pipelined(dist):
@@ -565,6 +566,22 @@ class Saver:
         self._run(finish)
         self.held_s = time.perf_counter() - started
         return path
+
+    def _refuse_links(self, step: int) -> None:
+        """Refuses, on every rank alike and before anything is written, a save into a folder
+        that is a symbolic link (the latest's, the kept steps', the best's): the save would
+        write, and its rotation delete, elsewhere. The last good checkpoint stays as it was."""
+        name = f"step-{step:08d}"
+        roots = [self.run_dir / SHARDED, self.run_dir / HISTORY, self.run_dir / BEST]
+        planted = [path for root in roots for path in (root, root / name) if path.is_symlink()]
+        if not self.dist.any(bool(planted)):
+            return
+        for path in planted:
+            refuse_link(path)
+        raise Unusable(
+            f"step {step}: another process found a symbolic link in place of a checkpoint folder "
+            f"in {self.run_dir}, so none was written: remove it and resume"
+        )
 
     def due(self, step: int, stopping: bool) -> bool:
         """Whether step `step` saves: every `every` steps and at `max_steps` (unless `every` is

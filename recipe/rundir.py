@@ -33,13 +33,14 @@ from typing import Any
 from recipe.checkpoint import BEST, FILENAME, HISTORY, SHARDED
 from recipe.distributed import launcher
 from recipe.errors import FileRefused, MissingFile, Unusable
-from recipe.files import write_text_atomically
+from recipe.files import refuse_link, write_text_atomically
 
 METRICS, SUMMARY, LOCK = "metrics.jsonl", "summary.json", ".lock"
 # Every file the trainer writes in a run folder (config.yaml and overrides.yaml: recipe/config.py's
-# CONFIG_FILE and OVERRIDES_FILE; samples.txt: train.py's), none of which may be a symbolic link.
+# CONFIG_FILE and OVERRIDES_FILE; samples.txt: train.py's; wandb/: wandb's, recipe/metrics.py),
+# none of which may be a symbolic link.
 OWN_FILES = (LOCK, "config.yaml", "overrides.yaml", METRICS, SUMMARY, "samples.txt", FILENAME,
-             SHARDED, HISTORY, BEST)  # fmt: skip
+             SHARDED, HISTORY, BEST, "wandb")  # fmt: skip
 _held: set[Path] = set()  # the run folders whose lock this process took (RunFolder)
 
 
@@ -227,8 +228,7 @@ def _open_lock(path: Path) -> Any:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     except OSError as e:
-        if path.is_symlink():
-            raise Unusable(_link_message(path)) from None
+        refuse_link(path)
         raise Unusable(f"cannot open {path} ({e}): give the run a writable hydra.run.dir") from e
     return os.fdopen(fd, "w")
 
@@ -236,12 +236,4 @@ def _open_lock(path: Path) -> Any:
 def _refuse_links(folder: Path) -> None:
     """Refuses a run folder where one of the trainer's files is a symbolic link."""
     for name in OWN_FILES:
-        if (folder / name).is_symlink():
-            raise Unusable(_link_message(folder / name))
-
-
-def _link_message(path: Path) -> str:
-    return (
-        f"{path} is a symbolic link (to {os.readlink(path)}): the trainer writes its own files in "
-        "a run folder, never through a link; remove it, or give the run a new hydra.run.dir"
-    )
+        refuse_link(folder / name)

@@ -32,9 +32,9 @@ from train import build_optimizer
 QUIET = ("sample.num_samples=0", "wandb.mode=disabled")
 
 
-def _shard(run: Path) -> None:
+def _shard(run: Path, step: int | None = None) -> None:
     """Rewrites a run's checkpoint.pt as FSDP saves it (checkpoint.dcp/), over a process group
-    of this one process: the same step, weights and optimizer state."""
+    of this one process: the same weights and optimizer state, at the same step (or `step`)."""
     state = checkpoint.read(run)
     cpu = torch.device("cpu")
     distributed.init_process_group(cpu, rank=0, world_size=1, store=torch_dist.HashStore())
@@ -49,7 +49,7 @@ def _shard(run: Path) -> None:
         checkpoint.restore(state, model, optimizer, scaler)
         kept = ("config", "model_config", "stages", "wandb_id", "samples")
         checkpoint.save(
-            run, dist, model, optimizer, scaler, state["step"], {k: state[k] for k in kept}
+            run, dist, model, optimizer, scaler, step or state["step"], {k: state[k] for k in kept}
         )
     finally:
         distributed.shutdown()
@@ -169,6 +169,29 @@ def test_a_genuine_sharded_checkpoint_loads(runs) -> None:
     assert sharded.lm_head.weight is sharded.transformer.wte.weight  # tied again
     for name, tensor in single.state_dict().items():
         torch.testing.assert_close(sharded.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+# ---- a save never writes through a link planted in place of a checkpoint folder
+
+
+@pytest.mark.parametrize("planted", ["checkpoint.dcp", "checkpoints", "best"])
+def test_a_save_refuses_a_planted_link_and_keeps_the_last_checkpoint(runs, tmp_path, planted):
+    run = _copy(runs["sharded" if planted == "checkpoint.dcp" else "single"], tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "meta.pt").write_text("precious")
+    (run / planted).mkdir(exist_ok=True)
+    (run / planted / "step-00000004").symlink_to(victim)
+    with pytest.raises(errors.Unusable, match=rf"{planted}/step-00000004 is a symbolic link"):
+        if planted == "checkpoint.dcp":  # an FSDP run's save at step 4
+            _shard(run, step=4)
+        else:
+            tiny_run(run, "train.max_steps=4", *QUIET, "train.resume=true",
+                     "train.keep_checkpoints=2", "train.keep_best=true")  # fmt: skip
+    assert sorted(p.name for p in victim.iterdir()) == ["meta.pt"]
+    assert (victim / "meta.pt").read_text() == "precious"
+    assert checkpoint.read(run)["step"] == 2  # the last good one, still where readers look
+    assert not [p for p in run.rglob("*") if ".tmp-" in p.name]
 
 
 # ---- 2. one layout at a time, chosen by its step

@@ -90,7 +90,7 @@ def test_a_locked_temporary_folder_is_kept_even_under_a_dead_pid(tmp_path) -> No
 # ---- 10. folders that are not ours; links planted in a run folder
 
 
-@pytest.mark.parametrize("name", [".lock", "config.yaml", "metrics.jsonl"])
+@pytest.mark.parametrize("name", [".lock", "config.yaml", "metrics.jsonl", "wandb"])
 def test_a_link_planted_in_a_run_folder_is_refused_and_its_target_untouched(tmp_path, name) -> None:
     victim, run_dir = tmp_path / "victim", tmp_path / "run"
     victim.write_text("precious")
