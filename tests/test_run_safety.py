@@ -141,6 +141,21 @@ def test_out_is_checked_before_the_work(tmp_path, app) -> None:
             main.__wrapped__(cfg)
 
 
+@pytest.mark.parametrize("mine", ["config.yaml", "overrides.yaml", "notes.txt"])
+def test_a_folder_holding_someone_elses_files_is_refused_and_left_as_it_was(tmp_path, mine):
+    run_dir = tmp_path / "u"
+    run_dir.mkdir()
+    (run_dir / mine).write_text("mine")
+    with pytest.raises(errors.FileRefused, match=rf"u holds files that are not a run's \({mine}\)"):
+        tiny_run(run_dir, "train.max_steps=1", *QUIET)
+    assert [p.name for p in run_dir.iterdir()] == [mine]
+    assert (run_dir / mine).read_text() == "mine"
+    (run_dir / mine).unlink()
+    (run_dir / ".hydra").mkdir()  # Hydra's own files (hydra.output_subdir=.hydra) are a run's
+    (run_dir / ".hydra" / "config.yaml").write_text("hydra's")
+    assert tiny_run(run_dir, "train.max_steps=1", *QUIET)["completed"]
+
+
 # ---- a compile cache that is not the user's own is never read
 
 
@@ -177,8 +192,10 @@ def test_a_planted_compile_cache_is_refused_before_any_of_it_is_read(tmp_path, f
 
 
 def _failed_before_logging(run_dir: Path) -> None:
-    """What a launch that failed before its first log leaves: its config, an empty metrics.jsonl."""
+    """What a launch that failed before its first log leaves: its lock file, its config, an empty
+    metrics.jsonl."""
     run_dir.mkdir()
+    (run_dir / rundir.LOCK).touch()
     config.save(run_dir, {"train": {}}, [*TINY, "train.max_steps=1", *QUIET])
     (run_dir / "metrics.jsonl").touch()
 
