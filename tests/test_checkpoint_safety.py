@@ -32,9 +32,10 @@ from train import build_optimizer
 QUIET = ("sample.num_samples=0", "wandb.mode=disabled")
 
 
-def _shard(run: Path, step: int | None = None) -> None:
+def _shard(run: Path, step: int | None = None, keep: int = 1) -> None:
     """Rewrites a run's checkpoint.pt as FSDP saves it (checkpoint.dcp/), over a process group
-    of this one process: the same weights and optimizer state, at the same step (or `step`)."""
+    of this one process: the same weights and optimizer state, at the same step (or `step`),
+    keeping `keep` checkpoints (train.keep_checkpoints)."""
     state = checkpoint.read(run)
     cpu = torch.device("cpu")
     distributed.init_process_group(cpu, rank=0, world_size=1, store=torch_dist.HashStore())
@@ -48,9 +49,9 @@ def _shard(run: Path, step: int | None = None) -> None:
         scaler = torch.amp.GradScaler(enabled=False)
         checkpoint.restore(state, model, optimizer, scaler)
         kept = ("config", "model_config", "stages", "wandb_id", "samples")
-        checkpoint.save(
-            run, dist, model, optimizer, scaler, step or state["step"], {k: state[k] for k in kept}
-        )
+        saver = checkpoint.Saver(run, dist, keep=keep)
+        saver.save(model, optimizer, scaler, step or state["step"], {k: state[k] for k in kept})
+        saver.close()
     finally:
         distributed.shutdown()
 
@@ -202,7 +203,7 @@ def test_a_stale_layout_is_removed_by_a_save_and_never_chosen(runs, tmp_path, ca
     _resume(run)  # the FSDP run, continued in one process: it saves checkpoint.pt
     assert not (run / checkpoint.SHARDED).exists()
     assert (
-        f"[checkpoint] removed {run / checkpoint.SHARDED}, an older layout"
+        f"[checkpoint] removed {run / checkpoint.SHARDED / 'LATEST'}, an older layout's latest"
         in capsys.readouterr().out
     )
     assert checkpoint.read(run)["step"] == 4
@@ -221,6 +222,20 @@ def test_a_stale_layout_is_removed_by_a_save_and_never_chosen(runs, tmp_path, ca
     with pytest.raises(RuntimeError, match="holds two checkpoints"):
         _resume(run, steps=6)
     assert (run / "metrics.jsonl").read_bytes() == metrics  # nothing cut back
+
+
+def test_a_layout_change_keeps_what_keep_checkpoints_keeps(runs, tmp_path) -> None:
+    run = _copy(runs["sharded"], tmp_path)
+    _shard(run, step=3, keep=2)  # an FSDP run keeping steps 2 and 3 in checkpoint.dcp/
+    keep = "train.keep_checkpoints=2"
+    tiny_run(run, "train.max_steps=4", keep, *QUIET, "train.resume=true")  # one process
+    assert checkpoint.read(run)["step"] == 4  # checkpoint.pt
+    assert checkpoint.read(run, which=3)["step"] == 3  # the older layout's kept step
+    with pytest.raises(FileNotFoundError, match="keeps steps 3, 4"):
+        checkpoint.read(run, which=2)  # one more than train.keep_checkpoints: rotated out
+    tiny_run(run, "train.max_steps=5", keep, *QUIET, "train.resume=true")
+    assert [checkpoint.read(run, which=n)["step"] for n in (4, 5)] == [4, 5]
+    assert not (run / checkpoint.SHARDED).exists()  # its last kept step rotated out
 
 
 def test_both_layouts_at_one_step_read_the_single_file(runs, tmp_path) -> None:
