@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from data.config import check_config
 from data.identity import check_corpus, corpus_identity
-from data.prepare import SPLITS, cache_folder, prepare, read_meta, verify
+from data.prepare import SPLITS, prepare, prepared_folder, read_meta, verify
 from data.sampler import StepSampler
 from data.tokenizer import VOCAB_SIZE
 from data.windows import RandomTokens, TextWindows, TokenWindows
@@ -59,7 +59,7 @@ def load_splits(
     check_config(cfg)
     if cfg.source == "synthetic":
         return {s: RandomTokens(block_size, seed + n, cfg.vocab_size) for n, s in enumerate(SPLITS)}
-    folder = cache_folder(cfg)
+    folder = prepared_folder(cfg)
     splits: dict[str, Dataset] = {}
     for split in SPLITS:
         if cfg.loader == "memmap":

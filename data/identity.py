@@ -1,18 +1,20 @@
 """What a run trained on, recorded in its checkpoint and checked on resume: the sources' content
-(not their paths or modification times, which the cache key uses), the tokenizer and the token
-dtype. A resume whose corpus differs is refused before any work, naming what changed; without
-this, editing a `data=text` file re-prepared the corpus and the run went on with other data.
+(not their paths or modification times), the tokenizer and the token dtype. A resume whose corpus
+differs is refused before any work, naming what changed: an edited `data=text` file is another
+corpus. The same content hash keys the prepared corpus's folder (data/prepare.py), so what a run
+trains on is what its checkpoint records.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from data.integrity import content_sha256
-from data.sources import expand_files, shakespeare_files
+from data.sources import expand_files, shakespeare_files, unreadable
 from data.tokenizer import TOKEN_DTYPE, TOKENIZER
 from recipe.errors import ConfigError
 
@@ -23,13 +25,23 @@ def _sources(cfg: DictConfig) -> tuple[str, str]:
     synthetic tokens."""
     if cfg.source in ("text", "shakespeare"):
         files = expand_files(cfg.files) if cfg.source == "text" else shakespeare_files()
-        spec: object = [content_sha256(f) for f in files]
+        spec: object = _content_sha256s(files)
         name = "data.files content" if cfg.source == "text" else "the bundled plays' content"
     elif cfg.source == "hub":
         spec, name = OmegaConf.to_container(cfg.hub, resolve=True), "data.hub"
     else:
         spec, name = {"vocab_size": cfg.vocab_size}, "data.vocab_size"
     return name, hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _content_sha256s(files: list[Path]) -> list[str]:
+    digests = []
+    for path in files:
+        try:
+            digests.append(content_sha256(path))
+        except OSError as e:
+            raise unreadable(path, e) from e
+    return digests
 
 
 def corpus_identity(cfg: DictConfig) -> dict[str, str]:

@@ -6,7 +6,10 @@ For each split (`train`, `val`) it writes
 - `<split>.txt`: the same documents as UTF-8, each followed by the record separator `\\x1e`
   (the on-the-fly loader's input),
 plus `meta.json`, written last, which marks the folder complete and records what is in it: the
-counts, and each file's size and sha256, checked whenever the corpus is loaded (data.integrity).
+counts, each file's size and sha256, checked whenever the corpus is loaded (data.integrity), and
+the sha256 of the sources' content (data.identity's, which checkpoints record too). The folder's
+name is keyed by that content, not by file times (a same-size edit can keep them), and a folder
+whose meta.json names other sources than its corpus holds now is refused when it is loaded.
 
 The folder is written under a temporary name (`<folder>.tmp-<host>-<pid>-<random>`) and renamed
 when complete, so a killed or concurrent preparation never leaves a half-written folder under the
@@ -38,11 +41,12 @@ from typing import IO
 
 import datasets
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from data.config import check_config
+from data.identity import corpus_identity
 from data.integrity import check_file, file_record
-from data.sources import corpus_label, expand_files, load_documents, shakespeare_files
+from data.sources import corpus_label, load_documents
 from data.tokenizer import EOT, TOKEN_DTYPE, TOKENIZER, VOCAB_SIZE, gpt2_encoding
 from data.workers import hardened_forks, sigterm_raises
 from recipe.errors import ConfigError, MissingFile, Unusable
@@ -50,7 +54,7 @@ from recipe.errors import ConfigError, MissingFile, Unusable
 SPLITS = ("train", "val")
 SUFFIXES = ("bin", "txt")
 DOC_SEPARATOR = "\x1e"  # ASCII record separator: ends each document in the .txt files
-FORMAT_VERSION = 2  # 2: meta.json records each file's size and sha256
+FORMAT_VERSION = 3  # 2: meta.json records each file's size and sha256; 3: its sources'
 # This machine, in the temporary folders' names: a cache shared between machines (or containers)
 # must not take another one's live preparation for a dead process of its own.
 _HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
@@ -59,22 +63,39 @@ LOCK = ".preparing"  # in a temporary folder: locked by the live preparation tha
 
 def cache_folder(cfg: DictConfig) -> Path:
     """The folder for this corpus; its name changes whenever what would be written changes."""
+    return _located(cfg)[0]
+
+
+def prepared_folder(cfg: DictConfig) -> Path:
+    """The corpus's prepared folder, refused unless it was prepared from what its sources hold
+    now (a stale or planted folder would train on other text than the checkpoint records)."""
+    folder, sources = _located(cfg)
+    _check_sources(folder, sources, cfg)
+    return folder
+
+
+def _located(cfg: DictConfig) -> tuple[Path, str]:
+    """This corpus's folder, and the sha256 of its sources' content that keys its name."""
     check_config(cfg)  # data.name must not lead out of data.cache_dir
+    sources = corpus_identity(cfg)["sha256"]  # the content, whatever the files' times say
     spec = {
         "format": FORMAT_VERSION,
         "source": cfg.source,
         "val_fraction": cfg.val_fraction,
-        "hub": OmegaConf.to_container(cfg.hub) if cfg.source == "hub" else None,
+        "sources": sources,
     }
-    if cfg.source == "shakespeare":
-        spec["files"] = [f.name for f in shakespeare_files()]
-    if cfg.source == "text":
-        # Paths, sizes and modification times: editing a file re-prepares the corpus.
-        spec["files"] = [
-            (str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in expand_files(cfg.files)
-        ]
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    return Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{digest}"
+    return Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{digest}", sources
+
+
+def _check_sources(folder: Path, sources: str, cfg: DictConfig) -> None:
+    """Refuses a prepared `folder` whose meta.json records other sources than `sources`."""
+    recorded = _read_meta_json(folder).get("sources_sha256")
+    if recorded != sources:
+        raise Unusable(
+            f"{folder} was prepared from other sources than {corpus_label(cfg)} holds now "
+            f"(sha256 {str(recorded)[:12]}…, now {sources[:12]}…): {_fix(folder)}"
+        )
 
 
 def split_documents(
@@ -265,8 +286,9 @@ def prepare(cfg: DictConfig) -> Path | None:
     check_config(cfg)
     if cfg.source == "synthetic":
         return None
-    folder = cache_folder(cfg)
+    folder, sources = _located(cfg)
     if (folder / "meta.json").exists():
+        _check_sources(folder, sources, cfg)
         return folder
     t0 = time.time()
     num_proc = cfg.num_proc or min(8, os.cpu_count() or 1)
@@ -283,7 +305,7 @@ def prepare(cfg: DictConfig) -> Path | None:
         files = {f"{s}.{x}": file_record(tmp / f"{s}.{x}") for s in SPLITS for x in SUFFIXES}
         meta = {
             "format": FORMAT_VERSION, "name": cfg.name, "tokenizer": TOKENIZER,
-            "dtype": TOKEN_DTYPE, "splits": counts, "files": files,
+            "dtype": TOKEN_DTYPE, "splits": counts, "files": files, "sources_sha256": sources,
         }  # fmt: skip
         with _writing(tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=2)
@@ -315,7 +337,8 @@ def _read_meta_json(folder: Path) -> dict:
         raise Unusable(f"{path} is unreadable ({e}): {_fix(folder)}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise Unusable(
-            f"{path} is not in this version's format ({FORMAT_VERSION}: with checksums): "
+            f"{path} is not in this version's format ({FORMAT_VERSION}: with checksums and the "
+            "sources' sha256): "
             f"{_fix(folder)}"
         )
     written = {"tokenizer": meta.get("tokenizer"), "dtype": meta.get("dtype")}

@@ -92,10 +92,15 @@ def check_text_files(files: list[Path]) -> None:
                         break
                     offset += len(chunk)
         except OSError as e:
-            raise Unusable(
-                f"data.files: cannot read {path}: {e.strerror}: make it readable or leave it "
-                "out of data.files"
-            ) from e
+            raise unreadable(path, e) from e
+
+
+def unreadable(path: Path, e: OSError) -> Unusable:
+    """The line for a source file that cannot be read."""
+    return Unusable(
+        f"data.files: cannot read {path}: {e.strerror}: make it readable or leave it out of "
+        "data.files"
+    )
 
 
 def corpus_label(cfg: DictConfig) -> str:
@@ -109,10 +114,14 @@ def corpus_label(cfg: DictConfig) -> str:
 
 
 def _text_files(files: list[Path]) -> datasets.Dataset:
+    """The files' documents, read afresh: `datasets` keys its own cache of local files by their
+    paths and modification times, and would hand back the old text of a same-size edit that kept
+    them (data/prepare.py prepares only when the content is new)."""
     with _no_progress_bars():
         return datasets.load_dataset(
-            "text", data_files=[str(f) for f in files], sample_by="document", split="train"
-        )
+            "text", data_files=[str(f) for f in files], sample_by="document", split="train",
+            download_mode=datasets.DownloadMode.FORCE_REDOWNLOAD,
+        )  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -22,11 +22,18 @@ cached graphs on whether autocast is on, not on its dtype (pytorch/pytorch#18156
 dtype), so a bfloat16 launch after a float16 one can load the float16 graph and train in float16
 with no loss scaler: reproduced on a CPU with torch 2.11, and the likely cause of the speed
 ladder's diverged bf16 rows on an H100 (docs/results/nvidia-h100-80gb-hbm3/speed_bf16_cache.md).
+
+Only a private cache is used: Inductor and AOTAutograd unpickle its entries and import its
+generated code without any check, so whoever can write the folder runs code in every later
+compiled launch. The folder (and each precision's) must be owned by this user and writable by no
+one else; the default is a per-user folder apart from the data cache (which may be shared), made
+with mode 0700, and with `cache_dir: null` Inductor's own default folder is held to the same rule.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,7 +44,7 @@ from omegaconf import DictConfig
 
 from opt.stage import Context, Stage
 from recipe.distributed import log
-from recipe.errors import ConfigError
+from recipe.errors import ConfigError, Unusable
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 Scope = Literal["model", "block"]
@@ -59,6 +66,39 @@ def cache_folder(cache_dir: str, amp_dtype: torch.dtype | None) -> Path:
     return Path(cache_dir).expanduser() / precision
 
 
+def private_cache(folder: Path) -> Path:
+    """`folder`, made with mode 0700 if missing; refused in one line unless it is this user's
+    own and writable by no one else (anyone who can write an Inductor cache runs code in the
+    launches that read it). Returns `folder`."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = folder.stat()
+    except OSError as e:
+        raise Unusable(
+            f"cannot make the compile cache {folder} ({e.strerror}): set opt.compile.cache_dir "
+            "to a folder of your own"
+        ) from e
+    if info.st_uid != os.getuid():
+        problem = f"is owned by user id {info.st_uid}, not by you ({os.getuid()})"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"is writable by others (mode {stat.filemode(info.st_mode)})"
+    else:
+        return folder
+    raise Unusable(
+        f"the compile cache {folder} {problem}: Inductor's cache holds pickles and compiled code "
+        "that torch.compile loads and runs, so only a folder of your own is used; set "
+        "opt.compile.cache_dir to a new folder (it is made private) or delete that one"
+    )
+
+
+def _inductor_default() -> Path:
+    """The folder Inductor uses when the recipe sets none: TORCHINDUCTOR_CACHE_DIR, else its
+    default in the shared temporary folder (`/tmp/torchinductor_<user>`)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()).absolute()
+
+
 def apply_compile(
     model: torch.nn.Module,
     cfg: DictConfig,
@@ -72,8 +112,13 @@ def apply_compile(
     import torch._inductor.config as inductor_config
 
     inductor_config.coordinate_descent_tuning = cfg.coordinate_descent
-    if cfg.cache_dir:  # read by Inductor when it compiles (lazily, at the first step)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_folder(cfg.cache_dir, amp_dtype))
+    # Read by Inductor when it compiles (lazily, at the first step): checked before that.
+    if cfg.cache_dir:  # the folder and its precision's: whoever can write it can swap the other
+        folder = cache_folder(cfg.cache_dir, amp_dtype)
+        private_cache(folder.parent)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_cache(folder))
+    else:
+        private_cache(_inductor_default())
     # Inductor's modes; other backends take none.
     options = {"backend": cfg.backend, "mode": cfg.mode if cfg.backend == "inductor" else None}
     if cfg.scope == "model" and not sharded:

@@ -9,11 +9,13 @@ Two layouts, one interface (`save`, `read`, `restore`, `load_model`):
   DCP reshards on load, so a run resumes on another number of processes, or in one process
   without FSDP; `python -m tools.consolidate_checkpoint` turns it into one `checkpoint.pt`.
 Both are replaced atomically: a save killed midway leaves the previous checkpoint readable.
-One layout at a time: a save that writes one removes the other once it is complete; the reader
-chooses by the step each records (never by file times) and refuses two of different steps.
+One latest checkpoint at a time: a save that writes one layout removes the other's latest once it
+is complete (the other's kept steps stay until rotation removes them); the reader chooses by the
+step each records (never by file times) and refuses two of different steps.
 
 What a long run keeps (`Saver`): the last N checkpoints (`train.keep_checkpoints`; older single
-files as hard links in `checkpoints/step-<N>/`, older DCP steps left in `checkpoint.dcp/`) and the
+files as hard links in `checkpoints/step-<N>/`, older DCP steps left in `checkpoint.dcp/`, the
+two counted together after a resume that changed the layout) and the
 best by validation loss (`train.keep_best`: `best/step-<N>/`, named by `best/LATEST`, its loss and
 step in `best.json`), each a folder that `read` reads like a run's; the latest stays where every
 reader looks. Older ones go only once the new one is complete. `train.async_save`: the state is
@@ -74,7 +76,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from data import integrity
 from recipe.distributed import Distributed, log
 from recipe.errors import ConfigError, MissingFile, Unusable
-from recipe.files import write_text_atomically
+from recipe.files import refuse_link, write_text_atomically
 
 FILENAME = "checkpoint.pt"
 SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256.json) and LATEST
@@ -546,6 +548,7 @@ class Saver:
                 f"step {step}: the weights are not finite, so no checkpoint was written (the "
                 f"last good one: {kept}). Try a lower train.lr or opt.amp.dtype=bfloat16."
             )
+        self._refuse_links(step)
         meta = {"scaler": scaler.state_dict(), "step": step, "rng": dist.gather(_rng_state()),
                 **run_state}  # fmt: skip
         if _is_sharded(model) or _pipelined(dist):
@@ -565,6 +568,22 @@ class Saver:
         self._run(finish)
         self.held_s = time.perf_counter() - started
         return path
+
+    def _refuse_links(self, step: int) -> None:
+        """Refuses, on every rank alike and before anything is written, a save into a folder
+        that is a symbolic link (the latest's, the kept steps', the best's): the save would
+        write, and its rotation delete, elsewhere. The last good checkpoint stays as it was."""
+        name = f"step-{step:08d}"
+        roots = [self.run_dir / SHARDED, self.run_dir / HISTORY, self.run_dir / BEST]
+        planted = [path for root in roots for path in (root, root / name) if path.is_symlink()]
+        if not self.dist.any(bool(planted)):
+            return
+        for path in planted:
+            refuse_link(path)
+        raise Unusable(
+            f"step {step}: another process found a symbolic link in place of a checkpoint folder "
+            f"in {self.run_dir}, so none was written: remove it and resume"
+        )
 
     def due(self, step: int, stopping: bool) -> bool:
         """Whether step `step` saves: every `every` steps and at `max_steps` (unless `every` is
@@ -617,16 +636,17 @@ class Saver:
         self.wait()
 
     def _rotate(self, written: Path, step: int, val_loss: float | None) -> None:
-        """Once `written` is complete: the other layout goes, the last `keep` stay, and it
-        becomes the best if its validation loss is the lowest so far."""
-        _remove_other_layout(self.run_dir, written)
+        """Once `written` is complete: the other layout's latest goes, the last `keep` stay
+        (whichever layout wrote them), and it becomes the best if its validation loss is the
+        lowest so far."""
+        _retire_other_layout(self.run_dir, written)
+        steps = [self.run_dir / HISTORY, self.run_dir / SHARDED]  # both layouts' kept steps
         if written.name == FILENAME:
-            history = self.run_dir / HISTORY
             if self.keep > 1:
-                _link_checkpoint(written, history / f"step-{step:08d}")
-            _remove_older(history, self.keep if self.keep > 1 else 0)
+                _link_checkpoint(written, self.run_dir / HISTORY / f"step-{step:08d}")
+            _remove_older(steps, self.keep if self.keep > 1 else 0)
         else:
-            _remove_older(written.parent, self.keep, latest=written)
+            _remove_older(steps, self.keep, latest=written)
         if self.keep_best and val_loss is not None:
             _keep_if_best(self.run_dir / BEST, written, step, val_loss)
 
@@ -677,15 +697,15 @@ def snapshot(tree: Any, buffers: dict[int, list[torch.UntypedStorage]] | None = 
     return copied
 
 
-def _remove_other_layout(run_dir: Path, written: Path) -> None:
-    """Once a checkpoint is complete, the other layout's (left by the run before it added or
-    dropped FSDP) goes, so that the folder holds one checkpoint."""
+def _retire_other_layout(run_dir: Path, written: Path) -> None:
+    """Once a checkpoint is complete, the other layout's latest (left by the run before it added
+    or dropped FSDP) goes, so that the folder holds one latest checkpoint. Its kept steps stay,
+    read like this layout's (`checkpoint=<step>`), until rotation removes them."""
     if written.name == FILENAME:
-        stale = run_dir / SHARDED
+        stale = run_dir / SHARDED / "LATEST"
         if not stale.exists():
             return
-        (stale / "LATEST").unlink(missing_ok=True)  # first: a half-removed folder is no checkpoint
-        shutil.rmtree(stale)
+        stale.unlink()
     else:
         stale = run_dir / FILENAME
         if not stale.exists():
@@ -693,7 +713,10 @@ def _remove_other_layout(run_dir: Path, written: Path) -> None:
         stale.unlink()
         checksums_of(stale).unlink(missing_ok=True)
     kept = FILENAME if written.name == FILENAME else SHARDED
-    log(f"[checkpoint] removed {stale}, an older layout: this run saves {kept}")
+    log(
+        f"[checkpoint] removed {stale}, an older layout's latest: this run saves {kept}; the "
+        "older layout's kept steps stay until train.keep_checkpoints rotates them out"
+    )
 
 
 def _save_sharded(
@@ -756,16 +779,19 @@ def _step_of(folder: Path) -> int:
     return int(folder.name.split("-", 1)[1])
 
 
-def _remove_older(root: Path, keep: int, latest: Path | None = None) -> None:
-    """Removes all but the newest `keep` step-<N> folders in `root` (never `latest`)."""
-    folders = sorted((p for p in root.glob("step-*") if STEP_FOLDER.fullmatch(p.name)),
-                     key=_step_of)  # fmt: skip
+def _remove_older(roots: list[Path], keep: int, latest: Path | None = None) -> None:
+    """Removes all but the newest `keep` step-<N> folders in `roots` together (never `latest`);
+    a root left with no step folder and no LATEST (no checkpoint any more) goes too."""
+    folders = sorted((p for root in roots for p in root.glob("step-*")
+                      if STEP_FOLDER.fullmatch(p.name)), key=_step_of)  # fmt: skip
     kept = set(folders[max(0, len(folders) - keep) :] if keep else []) | {latest}
     for old in folders:
         if old not in kept:
             shutil.rmtree(old, ignore_errors=True)
-    if root.name == HISTORY and root.is_dir() and not any(root.iterdir()):
-        root.rmdir()
+    for root in roots:
+        emptied = not any(root.glob("step-*")) and not (root / "LATEST").exists()
+        if root.is_dir() and not root.is_symlink() and emptied:
+            shutil.rmtree(root)
 
 
 def _link(source: Path, target: Path) -> None:
@@ -811,7 +837,7 @@ def _keep_if_best(root: Path, written: Path, step: int, val_loss: float) -> None
     _link_checkpoint(written, folder)
     _write_json_atomically(folder / BEST_RECORD, {"step": step, "val_loss": val_loss})
     _point(root, folder.name)
-    _remove_older(root, 0, latest=folder)
+    _remove_older([root], 0, latest=folder)
     log(f"[checkpoint] step {step} is the best so far (val/loss {val_loss:.4f}): {folder}")
 
 

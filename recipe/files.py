@@ -1,10 +1,24 @@
-"""Writing a small text file so that a kill, a crash or a planted link cannot leave it half
-written or write elsewhere: the run folder's files, the checkpoints' checksums and `LATEST`."""
+"""Writing in a run folder so that a kill, a crash or a planted link cannot leave a file half
+written or write elsewhere: small text files (the run folder's files, the checkpoints' checksums
+and `LATEST`) through a rename, and no write through a symbolic link planted in place of one of
+the trainer's files or folders."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from recipe.errors import Unusable
+
+
+def refuse_link(path: Path) -> None:
+    """Refuses `path` if it is a symbolic link: one planted in a run folder would have the
+    trainer write (or delete) elsewhere."""
+    if path.is_symlink():
+        raise Unusable(
+            f"{path} is a symbolic link (to {os.readlink(path)}): the trainer writes its own files "
+            "in a run folder, never through a link; remove it, or give the run a new hydra.run.dir"
+        )
 
 
 def write_text_atomically(path: Path, text: str) -> None:

@@ -8,6 +8,10 @@
 - A folder holds a run when it has a checkpoint, a summary or logged metrics: a launch that failed
   before logging anything leaves none, and its folder is removed (or, if it was not empty when
   the launch began, reused by the next launch).
+- A folder that holds no run and that no launch has taken (it has no lock file) may hold only
+  Hydra's `.hydra/` and the ablation harness's console capture (`output*.txt`): anything else
+  is the user's (a project's own config.yaml), which the trainer would overwrite or mix with,
+  and is refused before anything is written.
 - The trainer's files in it are never symbolic links (one planted there would have the run write
   elsewhere): the lock is opened without following one, the others are refused, and rewritten
   files are replaced by a rename.
@@ -33,13 +37,17 @@ from typing import Any
 from recipe.checkpoint import BEST, FILENAME, HISTORY, SHARDED
 from recipe.distributed import launcher
 from recipe.errors import FileRefused, MissingFile, Unusable
-from recipe.files import write_text_atomically
+from recipe.files import refuse_link, write_text_atomically
 
 METRICS, SUMMARY, LOCK = "metrics.jsonl", "summary.json", ".lock"
 # Every file the trainer writes in a run folder (config.yaml and overrides.yaml: recipe/config.py's
-# CONFIG_FILE and OVERRIDES_FILE; samples.txt: train.py's), none of which may be a symbolic link.
+# CONFIG_FILE and OVERRIDES_FILE; samples.txt: train.py's; wandb/: wandb's, recipe/metrics.py),
+# none of which may be a symbolic link.
 OWN_FILES = (LOCK, "config.yaml", "overrides.yaml", METRICS, SUMMARY, "samples.txt", FILENAME,
-             SHARDED, HISTORY, BEST)  # fmt: skip
+             SHARDED, HISTORY, BEST, "wandb")  # fmt: skip
+# What a folder that no launch has taken may hold: Hydra's `.hydra/` (hydra.output_subdir), and
+# the console that scripts/ablate.py captures from the launch it starts there.
+LAUNCH_FILES = (".hydra", "output.txt", "output-node*.txt")
 _held: set[Path] = set()  # the run folders whose lock this process took (RunFolder)
 
 
@@ -133,6 +141,8 @@ class RunFolder:
     def __init__(self, path: Path, resume: bool) -> None:
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
+        _refuse_links(path)
+        _refuse_foreign_files(path)  # before the lock file marks the folder as a launch's
         self._lock = _open_lock(path / LOCK)  # held (open) until the process ends
         if not _locked(self._lock) and path.resolve() in _held:
             # This process took it: a run that died of an exception (a test's crash, a
@@ -144,7 +154,6 @@ class RunFolder:
                 f"another run is using {path} right now: give this one its own hydra.run.dir"
             )
         _held.add(path.resolve())
-        _refuse_links(path)
         existing = run_files(path)
         if existing and not resume:
             if not _has_checkpoint(path):
@@ -227,21 +236,29 @@ def _open_lock(path: Path) -> Any:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666)
     except OSError as e:
-        if path.is_symlink():
-            raise Unusable(_link_message(path)) from None
+        refuse_link(path)
         raise Unusable(f"cannot open {path} ({e}): give the run a writable hydra.run.dir") from e
     return os.fdopen(fd, "w")
+
+
+def _refuse_foreign_files(folder: Path) -> None:
+    """Refuses a folder that holds files of someone else's: one that holds no run and that no
+    launch has taken (no lock file), with anything but LAUNCH_FILES in it."""
+    if (folder / LOCK).exists() or run_files(folder):
+        return
+    foreign = sorted(
+        p.name for p in folder.iterdir() if not any(p.match(name) for name in LAUNCH_FILES)
+    )
+    if foreign:
+        raise FileRefused(
+            f"{folder} holds files that are not a run's ({', '.join(foreign[:5])}"
+            f"{', ...' if len(foreign) > 5 else ''}), which the trainer would overwrite or mix "
+            "with: give the run a new or empty hydra.run.dir (the default is a new folder per "
+            "launch), or move those files out of it"
+        )
 
 
 def _refuse_links(folder: Path) -> None:
     """Refuses a run folder where one of the trainer's files is a symbolic link."""
     for name in OWN_FILES:
-        if (folder / name).is_symlink():
-            raise Unusable(_link_message(folder / name))
-
-
-def _link_message(path: Path) -> str:
-    return (
-        f"{path} is a symbolic link (to {os.readlink(path)}): the trainer writes its own files in "
-        "a run folder, never through a link; remove it, or give the run a new hydra.run.dir"
-    )
+        refuse_link(folder / name)

@@ -99,6 +99,15 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private Inductor cache for the session (opt.compile.cache_dir reads
+    GPT2_RECIPE_COMPILE_CACHE), not the user's own."""
+    cache = tmp_path_factory.mktemp("compile-cache")
+    os.environ["GPT2_RECIPE_COMPILE_CACHE"] = str(cache)
+    return cache
+
+
 @pytest.fixture(autouse=True)
 def _fresh_torch_state() -> None:
     """Each test starts from the same global RNG and matmul precision."""

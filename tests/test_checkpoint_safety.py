@@ -32,9 +32,10 @@ from train import build_optimizer
 QUIET = ("sample.num_samples=0", "wandb.mode=disabled")
 
 
-def _shard(run: Path) -> None:
+def _shard(run: Path, step: int | None = None, keep: int = 1) -> None:
     """Rewrites a run's checkpoint.pt as FSDP saves it (checkpoint.dcp/), over a process group
-    of this one process: the same step, weights and optimizer state."""
+    of this one process: the same weights and optimizer state, at the same step (or `step`),
+    keeping `keep` checkpoints (train.keep_checkpoints)."""
     state = checkpoint.read(run)
     cpu = torch.device("cpu")
     distributed.init_process_group(cpu, rank=0, world_size=1, store=torch_dist.HashStore())
@@ -48,9 +49,9 @@ def _shard(run: Path) -> None:
         scaler = torch.amp.GradScaler(enabled=False)
         checkpoint.restore(state, model, optimizer, scaler)
         kept = ("config", "model_config", "stages", "wandb_id", "samples")
-        checkpoint.save(
-            run, dist, model, optimizer, scaler, state["step"], {k: state[k] for k in kept}
-        )
+        saver = checkpoint.Saver(run, dist, keep=keep)
+        saver.save(model, optimizer, scaler, step or state["step"], {k: state[k] for k in kept})
+        saver.close()
     finally:
         distributed.shutdown()
 
@@ -171,6 +172,29 @@ def test_a_genuine_sharded_checkpoint_loads(runs) -> None:
         torch.testing.assert_close(sharded.state_dict()[name], tensor, rtol=0, atol=0)
 
 
+# ---- a save never writes through a link planted in place of a checkpoint folder
+
+
+@pytest.mark.parametrize("planted", ["checkpoint.dcp", "checkpoints", "best"])
+def test_a_save_refuses_a_planted_link_and_keeps_the_last_checkpoint(runs, tmp_path, planted):
+    run = _copy(runs["sharded" if planted == "checkpoint.dcp" else "single"], tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "meta.pt").write_text("precious")
+    (run / planted).mkdir(exist_ok=True)
+    (run / planted / "step-00000004").symlink_to(victim)
+    with pytest.raises(errors.Unusable, match=rf"{planted}/step-00000004 is a symbolic link"):
+        if planted == "checkpoint.dcp":  # an FSDP run's save at step 4
+            _shard(run, step=4)
+        else:
+            tiny_run(run, "train.max_steps=4", *QUIET, "train.resume=true",
+                     "train.keep_checkpoints=2", "train.keep_best=true")  # fmt: skip
+    assert sorted(p.name for p in victim.iterdir()) == ["meta.pt"]
+    assert (victim / "meta.pt").read_text() == "precious"
+    assert checkpoint.read(run)["step"] == 2  # the last good one, still where readers look
+    assert not [p for p in run.rglob("*") if ".tmp-" in p.name]
+
+
 # ---- 2. one layout at a time, chosen by its step
 
 
@@ -179,7 +203,7 @@ def test_a_stale_layout_is_removed_by_a_save_and_never_chosen(runs, tmp_path, ca
     _resume(run)  # the FSDP run, continued in one process: it saves checkpoint.pt
     assert not (run / checkpoint.SHARDED).exists()
     assert (
-        f"[checkpoint] removed {run / checkpoint.SHARDED}, an older layout"
+        f"[checkpoint] removed {run / checkpoint.SHARDED / 'LATEST'}, an older layout's latest"
         in capsys.readouterr().out
     )
     assert checkpoint.read(run)["step"] == 4
@@ -198,6 +222,20 @@ def test_a_stale_layout_is_removed_by_a_save_and_never_chosen(runs, tmp_path, ca
     with pytest.raises(RuntimeError, match="holds two checkpoints"):
         _resume(run, steps=6)
     assert (run / "metrics.jsonl").read_bytes() == metrics  # nothing cut back
+
+
+def test_a_layout_change_keeps_what_keep_checkpoints_keeps(runs, tmp_path) -> None:
+    run = _copy(runs["sharded"], tmp_path)
+    _shard(run, step=3, keep=2)  # an FSDP run keeping steps 2 and 3 in checkpoint.dcp/
+    keep = "train.keep_checkpoints=2"
+    tiny_run(run, "train.max_steps=4", keep, *QUIET, "train.resume=true")  # one process
+    assert checkpoint.read(run)["step"] == 4  # checkpoint.pt
+    assert checkpoint.read(run, which=3)["step"] == 3  # the older layout's kept step
+    with pytest.raises(FileNotFoundError, match="keeps steps 3, 4"):
+        checkpoint.read(run, which=2)  # one more than train.keep_checkpoints: rotated out
+    tiny_run(run, "train.max_steps=5", keep, *QUIET, "train.resume=true")
+    assert [checkpoint.read(run, which=n)["step"] for n in (4, 5)] == [4, 5]
+    assert not (run / checkpoint.SHARDED).exists()  # its last kept step rotated out
 
 
 def test_both_layouts_at_one_step_read_the_single_file(runs, tmp_path) -> None:

@@ -143,6 +143,23 @@ def test_a_garbled_or_old_meta_json_says_how_to_fix(prepared_copy) -> None:
         data.load_splits(cfg, block_size=32, seed=0)
 
 
+def test_a_corpus_is_prepared_again_when_its_content_changes_whatever_its_mtime(tmp_path) -> None:
+    # `cp -p`, `rsync -a`, `touch -r`: a same-size edit that keeps the modification time.
+    _small_corpus(tmp_path)
+    cfg, path = _text_cfg(tmp_path), tmp_path / "corpus" / "a.txt"
+    first = prepare(cfg)
+    before = path.stat()
+    path.write_text(path.read_text().replace("small", "SMALL"))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    again = prepare(cfg)
+    assert again != first and "SMALL" in (again / "train.txt").read_text()
+    # A prepared folder that does not hold what its sources hold (planted, or stale) is refused.
+    shutil.rmtree(again)
+    shutil.copytree(first, again)
+    with pytest.raises(RuntimeError, match=rf"{again} was prepared from other sources.*delete"):
+        data.load_splits(cfg, block_size=32, seed=0)
+
+
 # ---- 2. token ids inside the vocabulary
 
 

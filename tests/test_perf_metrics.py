@@ -252,21 +252,22 @@ def test_data_wait_is_the_loaders_delay_and_cpu_runs_have_no_joules(tmp_path, mo
     assert keys <= set(saved)  # the ablation harness copies them into its rows
 
 
-def test_compile_cache_dir_is_inductors(monkeypatch) -> None:
+def test_compile_cache_dir_is_inductors(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # restored after the test
     knobs = make_cfg("+opt=compile").opt.compile
-    assert knobs.cache_dir == f"{os.environ['GPT2_RECIPE_CACHE']}/inductor"  # beside the data
-    knobs.cache_dir = "~/kernels"
+    assert knobs.cache_dir == os.environ["GPT2_RECIPE_COMPILE_CACHE"]  # apart from the data
+    knobs.cache_dir = str(tmp_path / "kernels")
     apply_compile(torch.nn.Linear(2, 2), knobs)  # no autocast: the float32 graphs' folder
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path.home() / "kernels" / "float32")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "kernels" / "float32")
     # One folder per autocast dtype: torch 2.11's AOTAutograd cache would hand a bfloat16 run the
     # graph a float16 run traced (its key says whether autocast is on, not in which dtype).
     apply_compile(torch.nn.Linear(2, 2), knobs, amp_dtype=torch.bfloat16)
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(Path.home() / "kernels" / "bfloat16")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "kernels" / "bfloat16")
+    assert (tmp_path / "kernels" / "bfloat16").stat().st_mode & 0o777 == 0o700  # private
     knobs.cache_dir = None  # Inductor's own default: left alone
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
     apply_compile(torch.nn.Linear(2, 2), knobs)
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "elsewhere")
 
 
 def _compiled_launch(run_dir: Path, cache_dir: Path) -> dict:

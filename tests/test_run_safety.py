@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import pickle
 import shlex
 import signal
 import subprocess
@@ -17,7 +19,7 @@ import pytest
 from test_after_training import evaluate_app, export_app, tool_cfg
 
 from conftest import ROOT, TINY, python, tiny_run
-from recipe import config, rundir
+from recipe import config, errors, rundir
 from recipe.checkpoint import FILENAME
 from tools import sample as sample_app
 from train import closing_line
@@ -88,7 +90,7 @@ def test_a_locked_temporary_folder_is_kept_even_under_a_dead_pid(tmp_path) -> No
 # ---- 10. folders that are not ours; links planted in a run folder
 
 
-@pytest.mark.parametrize("name", [".lock", "config.yaml", "metrics.jsonl"])
+@pytest.mark.parametrize("name", [".lock", "config.yaml", "metrics.jsonl", "wandb"])
 def test_a_link_planted_in_a_run_folder_is_refused_and_its_target_untouched(tmp_path, name) -> None:
     victim, run_dir = tmp_path / "victim", tmp_path / "run"
     victim.write_text("precious")
@@ -139,12 +141,61 @@ def test_out_is_checked_before_the_work(tmp_path, app) -> None:
             main.__wrapped__(cfg)
 
 
+@pytest.mark.parametrize("mine", ["config.yaml", "overrides.yaml", "notes.txt"])
+def test_a_folder_holding_someone_elses_files_is_refused_and_left_as_it_was(tmp_path, mine):
+    run_dir = tmp_path / "u"
+    run_dir.mkdir()
+    (run_dir / mine).write_text("mine")
+    with pytest.raises(errors.FileRefused, match=rf"u holds files that are not a run's \({mine}\)"):
+        tiny_run(run_dir, "train.max_steps=1", *QUIET)
+    assert [p.name for p in run_dir.iterdir()] == [mine]
+    assert (run_dir / mine).read_text() == "mine"
+    (run_dir / mine).unlink()
+    (run_dir / ".hydra").mkdir()  # Hydra's own files (hydra.output_subdir=.hydra) are a run's
+    (run_dir / ".hydra" / "config.yaml").write_text("hydra's")
+    assert tiny_run(run_dir, "train.max_steps=1", *QUIET)["completed"]
+
+
+# ---- a compile cache that is not the user's own is never read
+
+
+class _Payload:
+    """A pickle that writes `marker` when it is loaded: what a planted cache entry could run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.write_text, (self.marker, "code ran")
+
+
+@pytest.mark.parametrize("foreign", ["world-writable", "another user's"])
+def test_a_planted_compile_cache_is_refused_before_any_of_it_is_read(tmp_path, foreign) -> None:
+    cache, marker = tmp_path / "cc", tmp_path / "marker"
+    for entry in ("float32/aotautograd/planted/entry", "float32/fxgraph/pl/planted/entry"):
+        (cache / entry).parent.mkdir(parents=True)
+        (cache / entry).write_bytes(pickle.dumps(_Payload(marker)))
+    if foreign == "world-writable":
+        cache.chmod(0o777)
+    elif os.getuid() == 0:
+        for folder in (cache, cache / "float32"):
+            os.chown(folder, 65534, 65534)
+    else:
+        pytest.skip("making a folder another user's takes root")
+    with pytest.raises(errors.Unusable, match=r"compile cache .*cc.*pickles and compiled code"):
+        tiny_run(tmp_path / "run", "train.max_steps=2", "+opt=compile",
+                 f"opt.compile.cache_dir={cache}", *QUIET)  # fmt: skip
+    assert not marker.exists()
+
+
 # ---- 11. dead ends
 
 
 def _failed_before_logging(run_dir: Path) -> None:
-    """What a launch that failed before its first log leaves: its config, an empty metrics.jsonl."""
+    """What a launch that failed before its first log leaves: its lock file, its config, an empty
+    metrics.jsonl."""
     run_dir.mkdir()
+    (run_dir / rundir.LOCK).touch()
     config.save(run_dir, {"train": {}}, [*TINY, "train.max_steps=1", *QUIET])
     (run_dir / "metrics.jsonl").touch()
 
