@@ -36,6 +36,10 @@ CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
+# Logits are divided by the temperature: below this, a float32 logit overflows to inf and the
+# sampling probabilities become NaN (top_k=1 is greedy decoding, the limit of a small one).
+TEMPERATURE = Number(integer=False, low=1e-6)
+
 NUMBERS: dict[str, Number] = {
     "train.max_steps": count(1),
     "train.batch_size": count(1),
@@ -45,7 +49,7 @@ NUMBERS: dict[str, Number] = {
     "train.weight_decay": Number(integer=False, low=0),
     "train.beta1": Number(integer=False, low=0, high=1, high_open=True),
     "train.beta2": Number(integer=False, low=0, high=1, high_open=True),
-    "train.grad_clip": positive(),
+    "train.grad_clip": Number(integer=False, low=0, low_open=True, infinite=True),
     "train.seed": count(0),
     "train.log_interval": count(1),
     "train.eval_interval": count(1),
@@ -59,7 +63,7 @@ NUMBERS: dict[str, Number] = {
     "perf.memory_cap_gib": positive(nullable=True),
     "sample.num_samples": count(0),
     "sample.max_new_tokens": count(1),
-    "sample.temperature": positive(),
+    "sample.temperature": TEMPERATURE,
     "sample.top_k": count(1, nullable=True),
     "model.n_layer": count(1),
     "model.n_head": count(1),
