@@ -73,8 +73,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from data import integrity
 from recipe.distributed import Distributed, log
-from recipe.errors import ConfigError, MissingFile, Unusable
+from recipe.errors import ConfigError, MissingFile, Reported, Unusable
 from recipe.files import write_text_atomically
+from recipe.guard import NonFiniteSteps
 
 FILENAME = "checkpoint.pt"
 SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256.json) and LATEST
@@ -155,6 +156,8 @@ def write_atomically(path: Path, state: Any, *, checksum: bool = False) -> None:
         else:
             os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
+        if isinstance(e.__context__, KeyboardInterrupt):  # torch.save's writer, unwound by Ctrl-C
+            raise e.__context__ from None
         free = shutil.disk_usage(path.parent).free / 1e9
         raise Unusable(
             f"could not write {path} ({e}); {free:.1f} GB free on its disk. The previous "
@@ -542,7 +545,7 @@ class Saver:
             kept = "there is none"
             if (run_dir / FILENAME).exists() or (run_dir / SHARDED / "LATEST").exists():
                 kept = f"step {read(run_dir)['step']}'s is kept"
-            raise RuntimeError(
+            raise NonFiniteSteps(
                 f"step {step}: the weights are not finite, so no checkpoint was written (the "
                 f"last good one: {kept}). Try a lower train.lr or opt.amp.dtype=bfloat16."
             )
@@ -609,6 +612,8 @@ class Saver:
             self._writing.join()
             self._writing = None
         failure, self._failure = self._failure, None
+        if isinstance(failure, Reported):  # e.g. a full disk: its line, as a save in the loop's
+            raise failure
         if failure is not None:
             raise RuntimeError(f"the background checkpoint save failed: {failure}") from failure
 
@@ -1112,7 +1117,10 @@ class StopSignal:
         now = time.monotonic()
         if self._first is not None:
             if signum == signal.SIGINT and now - self._first > self.echo_s:
-                raise KeyboardInterrupt  # a deliberate second Ctrl-C
+                raise KeyboardInterrupt(  # a deliberate second Ctrl-C
+                    "a second Ctrl-C: quit without waiting for the checkpoint; the last one "
+                    "completed is kept"
+                )
             return  # SIGTERM again, or the same Ctrl-C forwarded by torchrun
         self._first = now
         self.requested = True
