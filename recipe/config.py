@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import hydra
+import yaml
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
@@ -28,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 import data
 from recipe import knobs, rundir
 from recipe.distributed import DEVICES, log
-from recipe.errors import ConfigError, MissingFile, unknown_key
+from recipe.errors import ConfigError, MissingFile, Unusable, unknown_key
 from recipe.files import write_text_atomically
 from recipe.knobs import Choices, Number, count, positive
 
@@ -209,9 +210,27 @@ def for_resume(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[st
             f"train.resume=true, but {run_dir} holds no run to continue (no {OVERRIDES_FILE}): "
             "point hydra.run.dir at the folder of the run, or drop train.resume to start afresh"
         )
-    merged = merge_overrides(list(OmegaConf.load(path)), overrides)
+    merged = merge_overrides(saved_overrides(path), overrides)
     cfg = compose([*merged, "train.resume=true"])
     return cfg, merged
+
+
+def saved_overrides(path: Path) -> list[str]:
+    """The command line `save` wrote (a YAML list of overrides), refused in one line when the
+    file is anything else: it is read as plain YAML (a tag such as !!python/... is refused)."""
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(path))
+        why = "" if isinstance(saved, list) else f"not a list but {type(saved).__name__}"
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        saved, why = None, " ".join(str(e).split())
+    if isinstance(saved, list) and not all(isinstance(o, str) for o in saved):
+        why = "not every entry is an override (key=value)"
+    if why:
+        raise Unusable(
+            f"{path} is damaged ({why}): it holds the run's command line, a YAML list of "
+            "overrides (- model=tiny); write it so, or start a new run folder"
+        )
+    return cast(list[str], saved)
 
 
 def merge_overrides(saved: list[str], new: list[str]) -> list[str]:
