@@ -871,17 +871,27 @@ def _read_kept(run_dir: Path, which: str | int, verify: bool) -> dict[str, Any]:
     name = f"step-{_step_of(Path(name)):08d}"
     if (run_dir / HISTORY / name).is_dir():
         return read(run_dir / HISTORY / name, verify=verify)
-    if (run_dir / SHARDED / name).is_dir():
+    if _complete_step(run_dir / SHARDED / name):
         return _read_step_folder(run_dir / SHARDED / name, verify)
     state = read(run_dir, verify=verify)
     if state["step"] == _step_of(Path(name)):
         return state
     folders = [*run_dir.glob(f"{HISTORY}/step-*"), *run_dir.glob(f"{SHARDED}/step-*")]
-    kept = sorted({_step_of(p) for p in folders if STEP_FOLDER.fullmatch(p.name)} | {state["step"]})
+    kept = sorted(
+        {_step_of(p) for p in folders if STEP_FOLDER.fullmatch(p.name) and _complete_step(p)}
+        | {state["step"]}
+    )
     raise MissingFile(
         f"checkpoint={which}: {run_dir} keeps no checkpoint of that step; it keeps steps "
         f"{', '.join(map(str, kept))}"
     )
+
+
+def _complete_step(folder: Path) -> bool:
+    """Whether a kept step folder was written whole: a DCP step's `meta.pt` is written last,
+    after every shard (a save killed before it leaves a folder that is no checkpoint);
+    `checkpoints/` folders are renamed into place complete."""
+    return folder.is_dir() and (folder.parent.name != SHARDED or (folder / META).is_file())
 
 
 def _read_sharded(run_dir: Path, verify: bool) -> dict[str, Any]:
