@@ -5,6 +5,8 @@ do not fit their config; a resume on a changed corpus is refused before any work
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -262,3 +264,27 @@ def test_a_damaged_overrides_file_is_refused_in_one_line_on_resume(tmp_path, con
     assert "\n" not in str(refused.value) and "write it so, or start a new run folder" in str(
         refused.value
     )
+
+
+class _Planted:
+    def __reduce__(self):
+        return (os.system, ("touch planted",))
+
+
+@pytest.mark.parametrize("weights", ["malicious", "garbled"])
+def test_a_pretrained_folder_with_a_foreign_pickle_is_refused_in_one_line(
+    hf_weights, tmp_path, monkeypatch, weights
+) -> None:
+    from recipe import errors
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    shutil.copy(hf_weights / "config.json", folder)
+    if weights == "malicious":
+        torch.save({"transformer.wte.weight": _Planted()}, folder / "pytorch_model.bin")
+    else:
+        (folder / "pytorch_model.bin").write_bytes(b"not a torch file at all")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(errors.Unusable, match=rf"^model.pretrained={folder}: its weights file ho"):
+        GPT.from_pretrained(folder)
+    assert not (tmp_path / "planted").exists()
