@@ -84,7 +84,7 @@ CHECKSUMS = "sha256.json"  # in a step folder: {file name: [record]} of every fi
 STEP_FOLDER = re.compile(r"step-\d+")  # what LATEST may name
 HISTORY = "checkpoints"  # keep_checkpoints > 1, single file: step-<N>/ each, hard links
 BEST = "best"  # keep_best: step-<N>/ (a run-folder-like checkpoint) + LATEST, best.json in it
-BEST_RECORD = "best.json"  # {"step": N, "val_loss": x}
+BEST_RECORD = "best.json"  # {"step": N, "val_loss": x, "measured": {"eval_sequences": n}}
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -506,9 +506,11 @@ class Saver:
         async_save: bool = False,
         every: int = 0,
         max_steps: int | None = None,
+        measured: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir, self.dist = run_dir, dist
         self.keep, self.keep_best, self.async_save = keep, keep_best, async_save
+        self.measured = measured or {}  # what the val losses are over: keep_best compares alike
         self.every, self.max_steps = every, max_steps  # train.checkpoint_interval (0: none)
         self.held_s = 0.0  # how long the last `save` held the caller (perf.checkpoint_time)
         self._writing: threading.Thread | None = None
@@ -520,11 +522,12 @@ class Saver:
     @classmethod
     def for_run(cls, run_dir: Path, dist: Distributed, train: DictConfig) -> Saver:
         """The saver that `train` (the config's train.*) asks for: its checkpoint_interval,
-        keep_checkpoints, keep_best and async_save; its last step (max_steps) saves too."""
+        keep_checkpoints, keep_best and async_save; its last step (max_steps) saves too. Its val
+        losses are over the first train.eval_sequences validation sequences."""
         return cls(
             run_dir, dist, keep=train.keep_checkpoints, keep_best=train.keep_best,
             async_save=train.async_save, every=train.checkpoint_interval,
-            max_steps=train.max_steps,
+            max_steps=train.max_steps, measured={"eval_sequences": train.eval_sequences},
         )  # fmt: skip
 
     def save(
@@ -633,7 +636,7 @@ class Saver:
         else:
             _remove_older(written.parent, self.keep, latest=written)
         if self.keep_best and val_loss is not None:
-            _keep_if_best(self.run_dir / BEST, written, step, val_loss)
+            _keep_if_best(self.run_dir / BEST, written, step, val_loss, self.measured)
 
 
 def snapshot(tree: Any, buffers: dict[int, list[torch.UntypedStorage]] | None = None) -> Any:
@@ -800,21 +803,34 @@ def _link_checkpoint(written: Path, folder: Path) -> None:
 
 
 def best_record(run_dir: Path) -> dict[str, Any] | None:
-    """The best checkpoint's {"step", "val_loss"} (train.keep_best), or None if there is none."""
+    """The best checkpoint's {"step", "val_loss", "measured"} (train.keep_best), or None if there
+    is none."""
     if not (run_dir / BEST / "LATEST").exists():
         return None
     return json.loads((_latest_folder(run_dir / BEST) / BEST_RECORD).read_text())
 
 
-def _keep_if_best(root: Path, written: Path, step: int, val_loss: float) -> None:
+def _keep_if_best(
+    root: Path, written: Path, step: int, val_loss: float, measured: dict[str, Any]
+) -> None:
     """Makes `written` the best checkpoint (`root/step-<N>/`, named by `root/LATEST`) if its
-    validation loss is lower than the best so far; the previous best goes once it is."""
+    validation loss is lower than the best so far, measured alike (a resume may change
+    train.eval_sequences: losses over other sequences do not compare, and the comparison
+    restarts, saying so); the previous best goes once it is."""
     best = best_record(root.parent)
+    if best is not None and best.get("measured") != measured:
+        log(
+            f"[checkpoint] the best so far (step {best['step']}, val/loss {best['val_loss']:.4f}) "
+            f"was measured with {best.get('measured') or 'settings it did not record'}, this "
+            f"run's losses with {measured}: the comparison restarts from step {step}"
+        )
+        best = None
     if best is not None and best["val_loss"] <= val_loss:
         return
     folder = root / f"step-{step:08d}"
     _link_checkpoint(written, folder)
-    _write_json_atomically(folder / BEST_RECORD, {"step": step, "val_loss": val_loss})
+    record = {"step": step, "val_loss": val_loss, "measured": measured}
+    _write_json_atomically(folder / BEST_RECORD, record)
     _point(root, folder.name)
     _remove_older(root, 0, latest=folder)
     log(f"[checkpoint] step {step} is the best so far (val/loss {val_loss:.4f}): {folder}")
