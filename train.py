@@ -183,10 +183,10 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     )  # fmt: skip
     losses = LossWindow(dist.device)  # summed on the device: no .item() per step
     step = run.step
-    if step == 0:
-        validated(logger, step, validate)
     saver = checkpoint.Saver.for_run(run_dir, dist, t)  # train.checkpoint_interval, keep_*, ...
-    with checkpoint.StopSignal() as stop:
+    with checkpoint.StopSignal() as stop:  # from the first evaluation on: it may take minutes
+        if step == 0:
+            validated(logger, step, validate)
         meter.start()
         while step < max_steps:
             lr = learning_rate(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,

@@ -18,10 +18,21 @@ from torch.utils.data import Dataset
 from data.prepare import DOC_SEPARATOR
 from data.preprocess import preprocess
 from data.tokenizer import EOT, gpt2_encoding
+from recipe.errors import ConfigError
 
 
 def _epoch_offset(seed: int, epoch: int, stride: int) -> int:
     return int(np.random.default_rng([seed, epoch, 0x5EED]).integers(stride))
+
+
+def too_short(path: Path, holds: str, block_size: int) -> ConfigError:
+    """The error for a split too short for windows at three places of its grid (the epochs'
+    offsets need the room): the val split grows with data.val_fraction, the train split shrinks."""
+    fraction = "raise data.val_fraction" if path.stem == "val" else "lower data.val_fraction"
+    return ConfigError(
+        f"{path} holds {holds}, too few for three windows of {block_size + 1} tokens: lower "
+        f"model.block_size, {fraction} or give the corpus more text"
+    )
 
 
 class TokenWindows(Dataset):
@@ -36,10 +47,7 @@ class TokenWindows(Dataset):
         self.vocab_size = vocab_size
         self.items_per_epoch = (num_tokens - 2 * block_size) // block_size
         if self.items_per_epoch < 1:
-            raise ValueError(
-                f"{path} holds {num_tokens} tokens, too few for windows of {block_size + 1}: "
-                "lower model.block_size or raise data.val_fraction"
-            )
+            raise too_short(path, f"{num_tokens} tokens", block_size)
         self._tokens: np.memmap | None = None  # opened lazily, once per worker process
 
     def __len__(self) -> int:
@@ -81,9 +89,7 @@ class TextWindows(Dataset):
         self.num_bytes = num_bytes
         self.items_per_epoch = (num_bytes - 2 * self.span) // self.span
         if self.items_per_epoch < 1:
-            raise ValueError(
-                f"{path} holds {num_bytes} bytes, too few for windows of {block_size + 1} tokens"
-            )
+            raise too_short(path, f"{num_bytes} bytes", block_size)
         self._bytes: np.memmap | None = None
 
     def __len__(self) -> int:

@@ -8,6 +8,7 @@ Hugging Face weights is a straight copy. Attention goes through
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,6 +232,12 @@ class GPT(nn.Module):
                 str(name_or_dir), output_loading_info=True, ignore_mismatched_sizes=True
             )
             hf, info = loaded
+        except pickle.UnpicklingError as e:  # torch.load's weights_only refusal: no code ran
+            raise Unusable(
+                f"model.pretrained={name_or_dir}: its weights file holds more than tensors "
+                f"({_refusal(e)}): refusing to load it; use a folder written by "
+                "`save_pretrained` (model.safetensors), from a source you trust"
+            ) from None
         except OSError as e:
             raise Unusable(
                 f"could not load GPT-2 weights from {name_or_dir!r}: it is neither a directory "
@@ -262,6 +269,13 @@ class GPT(nn.Module):
                 else:
                     param.copy_(src)
         return model
+
+
+def _refusal(e: pickle.UnpicklingError) -> str:
+    """What torch.load(weights_only=True) refused, from its several paragraphs of advice."""
+    lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+    advice = ("Check the documentation", "Please file an issue")
+    return next((line for line in lines if not line.startswith(advice)), "not a torch file")
 
 
 def _check_loading_info(name_or_dir: str | Path, info: dict) -> None:

@@ -75,8 +75,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from data import integrity
 from recipe.distributed import Distributed, log
-from recipe.errors import ConfigError, MissingFile, Unusable
+from recipe.errors import ConfigError, MissingFile, Reported, Unusable
 from recipe.files import refuse_link, write_text_atomically
+from recipe.guard import NonFiniteSteps
 
 FILENAME = "checkpoint.pt"
 SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256.json) and LATEST
@@ -85,7 +86,7 @@ CHECKSUMS = "sha256.json"  # in a step folder: {file name: [record]} of every fi
 STEP_FOLDER = re.compile(r"step-\d+")  # what LATEST may name
 HISTORY = "checkpoints"  # keep_checkpoints > 1, single file: step-<N>/ each, hard links
 BEST = "best"  # keep_best: step-<N>/ (a run-folder-like checkpoint) + LATEST, best.json in it
-BEST_RECORD = "best.json"  # {"step": N, "val_loss": x}
+BEST_RECORD = "best.json"  # {"step": N, "val_loss": x, "measured": {"eval_sequences": n}}
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
@@ -157,6 +158,8 @@ def write_atomically(path: Path, state: Any, *, checksum: bool = False) -> None:
         else:
             os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
+        if isinstance(e.__context__, KeyboardInterrupt):  # torch.save's writer, unwound by Ctrl-C
+            raise e.__context__ from None
         free = shutil.disk_usage(path.parent).free / 1e9
         raise Unusable(
             f"could not write {path} ({e}); {free:.1f} GB free on its disk. The previous "
@@ -505,9 +508,11 @@ class Saver:
         async_save: bool = False,
         every: int = 0,
         max_steps: int | None = None,
+        measured: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir, self.dist = run_dir, dist
         self.keep, self.keep_best, self.async_save = keep, keep_best, async_save
+        self.measured = measured or {}  # what the val losses are over: keep_best compares alike
         self.every, self.max_steps = every, max_steps  # train.checkpoint_interval (0: none)
         self.held_s = 0.0  # how long the last `save` held the caller (perf.checkpoint_time)
         self._writing: threading.Thread | None = None
@@ -519,11 +524,12 @@ class Saver:
     @classmethod
     def for_run(cls, run_dir: Path, dist: Distributed, train: DictConfig) -> Saver:
         """The saver that `train` (the config's train.*) asks for: its checkpoint_interval,
-        keep_checkpoints, keep_best and async_save; its last step (max_steps) saves too."""
+        keep_checkpoints, keep_best and async_save; its last step (max_steps) saves too. Its val
+        losses are over the first train.eval_sequences validation sequences."""
         return cls(
             run_dir, dist, keep=train.keep_checkpoints, keep_best=train.keep_best,
             async_save=train.async_save, every=train.checkpoint_interval,
-            max_steps=train.max_steps,
+            max_steps=train.max_steps, measured={"eval_sequences": train.eval_sequences},
         )  # fmt: skip
 
     def save(
@@ -544,7 +550,7 @@ class Saver:
             kept = "there is none"
             if (run_dir / FILENAME).exists() or (run_dir / SHARDED / "LATEST").exists():
                 kept = f"step {read(run_dir)['step']}'s is kept"
-            raise RuntimeError(
+            raise NonFiniteSteps(
                 f"step {step}: the weights are not finite, so no checkpoint was written (the "
                 f"last good one: {kept}). Try a lower train.lr or opt.amp.dtype=bfloat16."
             )
@@ -628,6 +634,8 @@ class Saver:
             self._writing.join()
             self._writing = None
         failure, self._failure = self._failure, None
+        if isinstance(failure, Reported):  # e.g. a full disk: its line, as a save in the loop's
+            raise failure
         if failure is not None:
             raise RuntimeError(f"the background checkpoint save failed: {failure}") from failure
 
@@ -648,7 +656,7 @@ class Saver:
         else:
             _remove_older(steps, self.keep, latest=written)
         if self.keep_best and val_loss is not None:
-            _keep_if_best(self.run_dir / BEST, written, step, val_loss)
+            _keep_if_best(self.run_dir / BEST, written, step, val_loss, self.measured)
 
 
 def snapshot(tree: Any, buffers: dict[int, list[torch.UntypedStorage]] | None = None) -> Any:
@@ -821,21 +829,34 @@ def _link_checkpoint(written: Path, folder: Path) -> None:
 
 
 def best_record(run_dir: Path) -> dict[str, Any] | None:
-    """The best checkpoint's {"step", "val_loss"} (train.keep_best), or None if there is none."""
+    """The best checkpoint's {"step", "val_loss", "measured"} (train.keep_best), or None if there
+    is none."""
     if not (run_dir / BEST / "LATEST").exists():
         return None
     return json.loads((_latest_folder(run_dir / BEST) / BEST_RECORD).read_text())
 
 
-def _keep_if_best(root: Path, written: Path, step: int, val_loss: float) -> None:
+def _keep_if_best(
+    root: Path, written: Path, step: int, val_loss: float, measured: dict[str, Any]
+) -> None:
     """Makes `written` the best checkpoint (`root/step-<N>/`, named by `root/LATEST`) if its
-    validation loss is lower than the best so far; the previous best goes once it is."""
+    validation loss is lower than the best so far, measured alike (a resume may change
+    train.eval_sequences: losses over other sequences do not compare, and the comparison
+    restarts, saying so); the previous best goes once it is."""
     best = best_record(root.parent)
+    if best is not None and best.get("measured") != measured:
+        log(
+            f"[checkpoint] the best so far (step {best['step']}, val/loss {best['val_loss']:.4f}) "
+            f"was measured with {best.get('measured') or 'settings it did not record'}, this "
+            f"run's losses with {measured}: the comparison restarts from step {step}"
+        )
+        best = None
     if best is not None and best["val_loss"] <= val_loss:
         return
     folder = root / f"step-{step:08d}"
     _link_checkpoint(written, folder)
-    _write_json_atomically(folder / BEST_RECORD, {"step": step, "val_loss": val_loss})
+    record = {"step": step, "val_loss": val_loss, "measured": measured}
+    _write_json_atomically(folder / BEST_RECORD, record)
     _point(root, folder.name)
     _remove_older([root], 0, latest=folder)
     log(f"[checkpoint] step {step} is the best so far (val/loss {val_loss:.4f}): {folder}")
@@ -892,17 +913,27 @@ def _read_kept(run_dir: Path, which: str | int, verify: bool) -> dict[str, Any]:
     name = f"step-{_step_of(Path(name)):08d}"
     if (run_dir / HISTORY / name).is_dir():
         return read(run_dir / HISTORY / name, verify=verify)
-    if (run_dir / SHARDED / name).is_dir():
+    if _complete_step(run_dir / SHARDED / name):
         return _read_step_folder(run_dir / SHARDED / name, verify)
     state = read(run_dir, verify=verify)
     if state["step"] == _step_of(Path(name)):
         return state
     folders = [*run_dir.glob(f"{HISTORY}/step-*"), *run_dir.glob(f"{SHARDED}/step-*")]
-    kept = sorted({_step_of(p) for p in folders if STEP_FOLDER.fullmatch(p.name)} | {state["step"]})
+    kept = sorted(
+        {_step_of(p) for p in folders if STEP_FOLDER.fullmatch(p.name) and _complete_step(p)}
+        | {state["step"]}
+    )
     raise MissingFile(
         f"checkpoint={which}: {run_dir} keeps no checkpoint of that step; it keeps steps "
         f"{', '.join(map(str, kept))}"
     )
+
+
+def _complete_step(folder: Path) -> bool:
+    """Whether a kept step folder was written whole: a DCP step's `meta.pt` is written last,
+    after every shard (a save killed before it leaves a folder that is no checkpoint);
+    `checkpoints/` folders are renamed into place complete."""
+    return folder.is_dir() and (folder.parent.name != SHARDED or (folder / META).is_file())
 
 
 def _read_sharded(run_dir: Path, verify: bool) -> dict[str, Any]:
@@ -1138,7 +1169,10 @@ class StopSignal:
         now = time.monotonic()
         if self._first is not None:
             if signum == signal.SIGINT and now - self._first > self.echo_s:
-                raise KeyboardInterrupt  # a deliberate second Ctrl-C
+                raise KeyboardInterrupt(  # a deliberate second Ctrl-C
+                    "a second Ctrl-C: quit without waiting for the checkpoint; the last one "
+                    "completed is kept"
+                )
             return  # SIGTERM again, or the same Ctrl-C forwarded by torchrun
         self._first = now
         self.requested = True

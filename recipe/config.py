@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import hydra
+import yaml
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
@@ -28,13 +29,17 @@ from omegaconf import DictConfig, OmegaConf
 import data
 from recipe import knobs, rundir
 from recipe.distributed import DEVICES, log
-from recipe.errors import ConfigError, MissingFile, unknown_key
+from recipe.errors import ConfigError, MissingFile, Unusable, unknown_key
 from recipe.files import write_text_atomically
 from recipe.knobs import Choices, Number, count, positive
 
 CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
+
+# Logits are divided by the temperature: below this, a float32 logit overflows to inf and the
+# sampling probabilities become NaN (top_k=1 is greedy decoding, the limit of a small one).
+TEMPERATURE = Number(integer=False, low=1e-6)
 
 NUMBERS: dict[str, Number] = {
     "train.max_steps": count(1),
@@ -45,7 +50,7 @@ NUMBERS: dict[str, Number] = {
     "train.weight_decay": Number(integer=False, low=0),
     "train.beta1": Number(integer=False, low=0, high=1, high_open=True),
     "train.beta2": Number(integer=False, low=0, high=1, high_open=True),
-    "train.grad_clip": positive(),
+    "train.grad_clip": Number(integer=False, low=0, low_open=True, infinite=True),
     "train.seed": count(0),
     "train.log_interval": count(1),
     "train.eval_interval": count(1),
@@ -59,7 +64,7 @@ NUMBERS: dict[str, Number] = {
     "perf.memory_cap_gib": positive(nullable=True),
     "sample.num_samples": count(0),
     "sample.max_new_tokens": count(1),
-    "sample.temperature": positive(),
+    "sample.temperature": TEMPERATURE,
     "sample.top_k": count(1, nullable=True),
     "model.n_layer": count(1),
     "model.n_head": count(1),
@@ -205,9 +210,27 @@ def for_resume(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[st
             f"train.resume=true, but {run_dir} holds no run to continue (no {OVERRIDES_FILE}): "
             "point hydra.run.dir at the folder of the run, or drop train.resume to start afresh"
         )
-    merged = merge_overrides(list(OmegaConf.load(path)), overrides)
+    merged = merge_overrides(saved_overrides(path), overrides)
     cfg = compose([*merged, "train.resume=true"])
     return cfg, merged
+
+
+def saved_overrides(path: Path) -> list[str]:
+    """The command line `save` wrote (a YAML list of overrides), refused in one line when the
+    file is anything else: it is read as plain YAML (a tag such as !!python/... is refused)."""
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(path))
+        why = "" if isinstance(saved, list) else f"not a list but {type(saved).__name__}"
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        saved, why = None, " ".join(str(e).split())
+    if isinstance(saved, list) and not all(isinstance(o, str) for o in saved):
+        why = "not every entry is an override (key=value)"
+    if why:
+        raise Unusable(
+            f"{path} is damaged ({why}): it holds the run's command line, a YAML list of "
+            "overrides (- model=tiny); write it so, or start a new run folder"
+        )
+    return cast(list[str], saved)
 
 
 def merge_overrides(saved: list[str], new: list[str]) -> list[str]:

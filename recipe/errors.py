@@ -10,6 +10,7 @@
 - Hydra's own errors are the user's too (an unknown key, an unknown option of a group, an
   override it cannot parse): the same one line, exit 2.
 - A run that stops itself (`Reported`, e.g. recipe/guard.py's NonFiniteSteps): its line, exit 1.
+- Ctrl-C that reaches the program as KeyboardInterrupt: `<program>: interrupted`, exit 130.
 - Anything else is a bug and keeps its traceback, as does everything under HYDRA_FULL_ERROR=1.
 
 Only the recipe's own classes below count as the user's: a ValueError from deep inside torch is a
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+INTERRUPTED = 130  # a shell's status for a program ended by Ctrl-C (128 + SIGINT)
 
 
 class Reported(Exception):
@@ -119,6 +121,12 @@ def _one_line(task: Callable[[], Any], program: str) -> Any:
     """Runs `task`; a user's error or a Hydra error ends the program in one line."""
     try:
         return task()
+    except KeyboardInterrupt as e:  # the user's Ctrl-C, not a bug: no traceback
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        line = f"{program}: interrupted{f' ({e})' if str(e) else ''}"
+        print(line, file=sys.stderr)
+        raise ReportedExit(line, INTERRUPTED) from None
     except Exception as e:
         full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"  # Hydra's switch: tracebacks
         if full_error or not isinstance(e, (Reported, *_hydra_errors())):

@@ -106,26 +106,43 @@ def read_jsonl(path: Path, check: Callable[[str, str], dict] | None = None) -> l
     """The items of a jsonl, blank lines skipped, each checked (HellaSwag's `checked` unless
     `check` is given) naming its line."""
     check = check or checked
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        bad_line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{bad_line}: not UTF-8 text ({e.reason}); give a jsonl in UTF-8"
+        ) from None
     items = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             items.append(check(line, f"{path}:{n}"))
     return items
 
 
 def checked(line: str, where: str) -> dict:
-    """One item, refused naming its line unless it has the dataset's fields: four endings and a
-    label (an int, or the hub's string) among them."""
+    """One item, refused naming its line unless it has the dataset's fields: texts, four endings
+    and a label (an int, or the hub's string) among them. An empty `ctx` or ending is refused
+    too: it has no tokens (or characters) to score, and its score would be NaN or -inf."""
     try:
         item = json.loads(line)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where}: not JSON ({e}); give one HellaSwag item per line") from e
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}: not a JSON object; give one HellaSwag item per line")
     missing = [k for k in FIELDS if k not in item]
     if missing:
         raise ConfigError(f"{where}: no {', '.join(missing)}; give HellaSwag's fields {FIELDS}")
+    for key in ("activity_label", "ctx_a", "ctx_b", "ctx"):
+        if not isinstance(item[key], str):
+            raise ConfigError(f"{where}: {key} must be a text, got {item[key]!r}")
+    if not item["ctx"].strip():
+        raise ConfigError(f"{where}: ctx is empty; give the context the endings continue")
     endings, label = item["endings"], str(item["label"])
     if not (isinstance(endings, list) and len(endings) == 4):
         raise ConfigError(f"{where}: endings must be a list of 4 texts, got {endings!r}")
+    if not all(isinstance(ending, str) and preprocess(ending).strip() for ending in endings):
+        raise ConfigError(f"{where}: endings must be 4 non-empty texts, got {endings!r}")
     if label not in ("0", "1", "2", "3"):
         raise ConfigError(f"{where}: label must be 0, 1, 2 or 3, got {item['label']!r}")
     return {**item, "label": int(label)}

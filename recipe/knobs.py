@@ -30,6 +30,7 @@ class Number:
     low_open: bool = False  # low itself is not allowed
     high_open: bool = False
     nullable: bool = False
+    infinite: bool = False  # inf is allowed (train.grad_clip=inf: never clip)
 
     def describe(self) -> str:
         kind = "an integer" if self.integer else "a number"
@@ -39,6 +40,7 @@ class Number:
         if self.high is not None:
             bounds.append(f"{'<' if self.high_open else '<='} {self.high:g}")
         text = f"{kind} {' and '.join(bounds)}".strip()
+        text += " (or inf)" if self.infinite else ""
         return text + (" (or null)" if self.nullable else "")
 
     def accepts(self, value: Any) -> bool:
@@ -48,7 +50,7 @@ class Number:
             return False
         if self.integer and not isinstance(value, int):
             return False
-        if math.isnan(value):
+        if math.isnan(value) or (math.isinf(value) and not self.infinite):
             return False
         if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
             return False

@@ -19,10 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from launch.sweep import own_overrides
-from recipe.config import OVERRIDES_FILE
+from recipe import errors
+from recipe.config import OVERRIDES_FILE, saved_overrides
 from recipe.rundir import METRICS, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +57,7 @@ def overrides(run: Path) -> list[str]:
     path = run / OVERRIDES_FILE
     if not path.is_file():
         return []
-    return [str(o) for o in OmegaConf.load(path) if not str(o).startswith("hydra.")]
+    return [o for o in saved_overrides(path) if not o.startswith("hydra.")]
 
 
 def labels(runs: list[Path]) -> list[str]:
@@ -132,4 +131,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    errors.main(lambda: main(sys.argv[1:]))  # bad input in one line (recipe/errors.py)

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from launch.provenance import environment
+from recipe import errors
+from recipe.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SAVE_STEP, LAST_STEP = 20, 30
@@ -42,14 +44,24 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     save and the step after it (ms)."""
     held = {r["step"]: r["perf/checkpoint_s"] for r in rows if "perf/checkpoint_s" in r}
     steps = {r["step"]: r["perf/step_ms"] for r in rows if "perf/step_ms" in r}
-    first = min(held)
-    before = [ms for step, ms in steps.items() if 1 < step <= first]  # step 1 compiles/warms up
+    first = min(held, default=None)
+    before = [ms for step, ms in steps.items() if first and 1 < step <= first]  # 1: warm-up
+    if not before:
+        raise errors.UserError(
+            "no save timed after a timed step in these metrics: give the metrics.jsonl of a run "
+            "with perf.checkpoint_time=true that saved after step 2, as this script's runs do"
+        )
     return {"held_s": held, "step_ms_before": statistics.median(before),
             "step_ms_after": steps.get(first + 1)}  # fmt: skip
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def summarized(path: Path) -> dict[str, Any]:
+    """`summarize` of a run's metrics.jsonl, refused in one line naming the file."""
+    rows = read_metrics(path)  # its errors name the file and line
+    try:
+        return summarize(rows)
+    except errors.UserError as e:
+        raise errors.UserError(f"{path}: {e}") from None
 
 
 def render(result: dict[str, Any]) -> str:
@@ -115,11 +127,11 @@ def main(argv: list[str] | None = None) -> None:
         env = environment(this_command)
     result = {"workload": WORKLOAD, "environment": env,
               "runs": {m: {"command": commands[m], "metrics": kept[m].name,
-                           **summarize(read_metrics(kept[m]))} for m in MODES}}  # fmt: skip
+                           **summarized(kept[m])} for m in MODES}}  # fmt: skip
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     args.out.with_suffix(".md").write_text(render(result))
     print(render(result))
 
 
 if __name__ == "__main__":
-    main()
+    errors.main(main)  # bad input in one line (recipe/errors.py)

@@ -104,7 +104,7 @@ def test_keep_best_keeps_the_lowest_val_loss(tmp_path) -> None:
         weights[step] = model.state_dict()["lm_head.weight"].clone()
         saver.save(model, optimizer, scaler, step, _run_state(model), val_loss=loss)
     saver.close()
-    assert checkpoint.best_record(tmp_path) == {"step": 2, "val_loss": 2.0}
+    assert checkpoint.best_record(tmp_path) == {"step": 2, "val_loss": 2.0, "measured": {}}
     assert [p.name for p in (tmp_path / "best").glob("step-*")] == ["step-00000002"]
     assert checkpoint.read(tmp_path)["step"] == 4  # the latest stays where readers look
     # The tools load it: checkpoint=best.
@@ -122,8 +122,26 @@ def test_keep_best_in_a_run_is_its_lowest_val_loss_at_a_save(tmp_path) -> None:
              "train.keep_best=true", *QUIET)  # fmt: skip
     evaluated = {r["step"]: r["val/loss"] for r in _rows(run) if "val/loss" in r and r["step"]}
     best = min(evaluated, key=evaluated.__getitem__)
-    assert checkpoint.best_record(run) == {"step": best, "val_loss": evaluated[best]}
+    measured = {"eval_sequences": 8}
+    assert checkpoint.best_record(run) == {
+        "step": best, "val_loss": evaluated[best], "measured": measured
+    }  # fmt: skip
     assert checkpoint.read(run, which="best")["step"] == best
+
+
+def test_keep_best_restarts_when_a_resume_changes_what_the_losses_measure(tmp_path, capsys):
+    run, every = tmp_path / "run", ("train.checkpoint_interval=2", "train.eval_interval=2")
+    tiny_run(run, "train.max_steps=4", *every, "train.keep_best=true", *QUIET)
+    before = checkpoint.best_record(run)
+    assert before is not None and before["measured"] == {"eval_sequences": 8}
+    tiny_run(run, "train.max_steps=6", "train.resume=true", "train.eval_sequences=4")
+    # Step 6's loss is over 4 sequences: it is not compared with a loss over 8, it starts anew.
+    assert checkpoint.best_record(run) == {
+        "step": 6, "val_loss": _rows(run)[-1]["val/loss"], "measured": {"eval_sequences": 4}
+    }  # fmt: skip
+    said = capsys.readouterr().out
+    assert f"the best so far (step {before['step']}, val/loss" in said
+    assert "the comparison restarts from step 6" in said
 
 
 def test_async_save_writes_the_same_file_as_a_sync_save(tmp_path) -> None:

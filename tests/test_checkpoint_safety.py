@@ -362,3 +362,15 @@ def test_tied_weights_are_saved_once_in_shards(runs) -> None:
     metadata = dcp.FileSystemReader(_step_folder(runs["sharded"])).read_metadata()
     names = set(metadata.state_dict_metadata)
     assert "model.transformer.wte.weight" in names and "model.lm_head.weight" not in names
+
+
+def test_a_half_written_dcp_step_is_not_a_kept_checkpoint(runs, tmp_path) -> None:
+    run = _copy(runs["sharded"], tmp_path)
+    half = run / "checkpoint.dcp" / "step-00000005"  # a save killed before its metadata
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"some shards")
+    with pytest.raises(
+        errors.MissingFile, match=r"keeps no checkpoint of that step; it keeps steps 2$"
+    ):
+        checkpoint.read(run, which=5)
+    assert checkpoint.read(run, which=2)["step"] == 2

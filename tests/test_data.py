@@ -215,3 +215,26 @@ def test_prepare_script(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     folder = Path(out.stdout.strip().splitlines()[-1].split(": ", 1)[1])
     assert (folder / "meta.json").exists() and (folder / "val.bin").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("split", "advice"), [("train", "lower data.val_fraction"), ("val", "raise data.val_fraction")]
+)
+def test_a_split_too_short_for_three_windows_says_what_to_change_for_that_split(
+    tmp_path, split, advice
+) -> None:
+    from recipe.errors import ConfigError
+
+    tokens = tmp_path / f"{split}.bin"
+    np.zeros(20, dtype=np.uint16).tofile(tokens)
+    text = tmp_path / f"{split}.txt"
+    text.write_text("a few words")
+    made = (
+        lambda: data.TokenWindows(tokens, 8, 0, 20, 50257),
+        lambda: data.TextWindows(text, 8, 0, 11, 4.0, make_cfg().data.preprocess),
+    )
+    for windows in made:
+        with pytest.raises(
+            ConfigError, match=rf"too few for three windows of 9 tokens: .*{advice}"
+        ):
+            windows()

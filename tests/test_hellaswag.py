@@ -276,11 +276,20 @@ def test_the_hub_dataset_is_read_from_the_cache_or_asked_for_in_one_line(tmp_pat
         (json.dumps({**ITEMS[0], "label": 4}), r":1: label must be 0, 1, 2 or 3, got 4"),
         (json.dumps({k: v for k, v in ITEMS[0].items() if k != "ctx_b"}), r":1: no ctx_b"),
         (json.dumps({**ITEMS[0], "endings": ["a", "b"]}), r":1: endings must be a list of 4"),
+        (json.dumps([ITEMS[0]]), r":1: not a JSON object"),
+        (json.dumps({**ITEMS[0], "ctx_b": 7}), r":1: ctx_b must be a text, got 7"),
+        (json.dumps({**ITEMS[0], "endings": ["a", "b", "c", 4]}), r":1: endings must be 4 non-"),
+        (json.dumps({**ITEMS[0], "endings": ["a", "b", "c", " "]}), r":1: endings must be 4 non"),
+        (json.dumps({**ITEMS[0], "ctx": ""}), r":1: ctx is empty"),
+        (b"\n" + json.dumps(ITEMS[0]).encode("latin-1") + b"\xff", r":2: not UTF-8 text"),
     ],
 )
 def test_a_bad_task_file_is_refused_naming_its_line(tmp_path, line, message) -> None:
     path = tmp_path / "hellaswag_val.jsonl"
-    path.write_text(line + "\n")
+    if isinstance(line, bytes):
+        path.write_bytes(line)
+    else:
+        path.write_text(line + "\n")
     with pytest.raises(ValueError, match=message):
         hellaswag.load_items(str(path), "unused")
 

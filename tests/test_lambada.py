@@ -217,11 +217,15 @@ def test_the_hub_dataset_is_read_from_the_cache_or_asked_for_in_one_line(tmp_pat
         (json.dumps({"passage": "a b"}), r"lambada.jsonl:1: no text of two words or more"),
         (json.dumps({"text": "word"}), r"lambada.jsonl:1: no text of two words or more"),
         (json.dumps(["a b"]), r"lambada.jsonl:1: no text"),
+        (b'{"text": "caf\xe9 au lait"}\n', r"lambada.jsonl:1: not UTF-8 text .*; give a jsonl"),
     ],
 )
 def test_a_bad_task_file_is_refused_naming_its_line(tmp_path, line, message) -> None:
     path = tmp_path / "lambada.jsonl"
-    path.write_text(line + "\n")
+    if isinstance(line, bytes):
+        path.write_bytes(line)
+    else:
+        path.write_text(line + "\n")
     with pytest.raises(ValueError, match=message):
         lambada.load_items(str(path), "unused")
 

@@ -117,3 +117,29 @@ def test_a_real_sweep_prints_its_table_and_plots_its_jobs(tmp_path) -> None:
     drawn = subprocess.run([python(), "scripts/plot.py", str(tmp_path)], cwd=ROOT, timeout=120)
     assert drawn.returncode == 0 and (tmp_path / "metrics.png").is_file()
     assert plot.labels(plot.runs_in(tmp_path)) == ["train.lr=0.001", "train.lr=0.002"]
+
+
+@pytest.mark.parametrize(
+    ("file", "content", "line"),
+    [
+        ("metrics.jsonl", '{"step": 1}\n{"step": 2, "train/l\n{"step": 3}\n', r"line 2: not JSON"),
+        ("overrides.yaml", "- !!python/name:os.system x\n", r"overrides.yaml is damaged"),
+    ],
+)
+def test_a_malformed_run_folder_is_refused_in_one_line(tmp_path, file, content, line) -> None:
+    import os
+    import re
+    import subprocess
+
+    from conftest import ROOT, python
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 3.0}\n')
+    (tmp_path / file).write_text(content)
+    this_checkout = {**os.environ, "PYTHONPATH": str(ROOT)}  # its recipe, not an installed one
+    done = subprocess.run(
+        [python(), "scripts/plot.py", str(tmp_path)],
+        cwd=ROOT, env=this_checkout, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (said,) = done.stderr.strip().splitlines()
+    assert re.match(rf"^plot.py: error: {tmp_path}.*{line}", said)

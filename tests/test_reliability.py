@@ -20,7 +20,7 @@ import torch
 import opt
 from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
-from recipe import checkpoint, rundir
+from recipe import checkpoint, errors, rundir
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard, NonFiniteSteps
 from train import build_optimizer, train, train_step
@@ -285,6 +285,9 @@ def test_a_resume_may_change_the_schedule_and_says_so(tmp_path, capsys) -> None:
         ("model.block_size=0", r"model.block_size must be an integer >= 1"),
         ("train.batch_size=0", r"train.batch_size must be an integer >= 1"),
         ("train.lr=abc", r"train.lr must be a number > 0, got 'abc'"),
+        ("train.lr=inf", r"train.lr must be a number > 0, got inf"),
+        ("train.lr=nan", r"train.lr must be a number > 0, got nan"),
+        ("sample.temperature=1e-45", r"sample.temperature must be a number >= 1e-06, got 1e-45"),
         ("train.min_lr=1.0", r"train.min_lr=1.0 exceeds train.lr"),
         ("device=tpu", r"device must be one of auto, cpu, cuda, got 'tpu'"),
     ],
@@ -310,7 +313,10 @@ def test_a_killed_writers_temporary_checkpoint_is_removed_at_the_next_save(tmp_p
     assert not stale.exists() and live.exists()
 
 
-def test_a_full_disk_names_the_cause_and_keeps_the_last_checkpoint(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_full_disk_names_the_cause_and_keeps_the_last_checkpoint(
+    tmp_path, monkeypatch, async_save
+) -> None:
     tiny_run(tmp_path, "train.max_steps=2", *QUIET)
     good = (tmp_path / "checkpoint.pt").read_bytes()
 
@@ -319,10 +325,77 @@ def test_a_full_disk_names_the_cause_and_keeps_the_last_checkpoint(tmp_path, mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(RuntimeError, match=r"could not write .*No space left on device.*unchanged"):
-        tiny_run(tmp_path, "train.max_steps=3", "train.resume=true", *QUIET)
+    more = ("train.max_steps=3", "train.resume=true", f"train.async_save={async_save}", *QUIET)
+    # A user's error, one line and exit 2, whether the save ran in the loop or in the background.
+    with pytest.raises(errors.Unusable, match=r"could not write .*No space left on device.*unch"):
+        tiny_run(tmp_path, *more)
     assert (tmp_path / "checkpoint.pt").read_bytes() == good
-    assert not list(tmp_path.glob("checkpoint.tmp-*"))
+    assert not list(tmp_path.glob("checkpoint.pt.tmp-*"))
+
+
+def _tiny_model_and_optimizer() -> tuple[GPT, torch.optim.Optimizer, torch.amp.GradScaler]:
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16))
+    return model, torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False)
+
+
+def test_a_second_ctrl_c_during_a_save_is_an_interruption_not_a_full_disk(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    model, optimizer, scaler = _tiny_model_and_optimizer()
+    checkpoint.save(tmp_path, SINGLE, model, optimizer, scaler, step=1, run_state={})
+    good = (tmp_path / "checkpoint.pt").read_bytes()
+
+    def interrupted(obj, f, *args, **kwargs):  # as torch.save fails when Ctrl-C unwinds it
+        f.write(b"half a checkpoint")
+        try:
+            raise KeyboardInterrupt("a second Ctrl-C")
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4")
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    save = lambda: checkpoint.save(tmp_path, SINGLE, model, optimizer, scaler, 2, {})  # noqa: E731
+    with pytest.raises(errors.ReportedExit) as ended:
+        errors.main(save)
+    assert ended.value.code == errors.INTERRUPTED
+    assert capsys.readouterr().err == "train.py: interrupted (a second Ctrl-C)\n"
+    assert (tmp_path / "checkpoint.pt").read_bytes() == good
+
+
+def test_weights_that_are_not_finite_at_a_save_end_the_run_in_one_line(tmp_path) -> None:
+    model, optimizer, scaler = _tiny_model_and_optimizer()
+    with torch.no_grad():
+        next(model.parameters())[0] = float("inf")
+    with pytest.raises(errors.Reported, match=r"^step 3: the weights are not finite, .* none"):
+        checkpoint.save(tmp_path, SINGLE, model, optimizer, scaler, step=3, run_state={})
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_a_stop_signal_during_the_first_evaluation_stops_the_run_as_any_stop(
+    tmp_path, monkeypatch
+) -> None:
+    import train as trainer
+
+    evaluations, validation = [0], trainer.validation
+
+    def signalled(*args, **kwargs):  # SIGTERM arrives while step 0 is being evaluated
+        evaluations[0] += 1
+        if evaluations[0] == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return validation(*args, **kwargs)
+
+    def unhandled(signum, frame):
+        raise AssertionError("SIGTERM reached the process's own handler")
+
+    monkeypatch.setattr(trainer, "validation", signalled)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        summary = tiny_run(tmp_path, "train.max_steps=50", *QUIET)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert summary["stopped_by"] == "SIGTERM" and not summary["completed"]
+    assert checkpoint.read(tmp_path)["step"] == summary["step"] < 50
 
 
 def test_wandb_auto_falls_back_to_offline_when_the_server_is_silent(

@@ -5,6 +5,8 @@ do not fit their config; a resume on a changed corpus is refused before any work
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -241,3 +243,48 @@ def test_a_resume_with_another_tokenizer_or_dtype_names_it() -> None:
         check_corpus({**current, "tokenizer": "r50k"}, current)
     with pytest.raises(ValueError, match=r"the token dtype differs \(dtype 'uint32' -> 'uint16'"):
         check_corpus({**current, "dtype": "uint32"}, current)
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"- !!python/object/apply:os.system ['echo planted']\n", r"could not determine a const"),
+        (b"- model=tiny\n- train.lr: [\n", r"while parsing"),
+        (b"model: tiny\n", r"not a list but dict"),
+        (b"- model=tiny\n- [1]\n", r"not every entry is an override"),
+        (b"- model=tiny\xff\n", r"can't decode byte 0xff"),
+    ],
+)
+def test_a_damaged_overrides_file_is_refused_in_one_line_on_resume(tmp_path, content, why) -> None:
+    from recipe import config, errors
+
+    (tmp_path / "overrides.yaml").write_bytes(content)
+    with pytest.raises(errors.Unusable, match=rf"overrides.yaml is damaged \(.*{why}") as refused:
+        config.for_resume(tmp_path, ["train.resume=true"])
+    assert "\n" not in str(refused.value) and "write it so, or start a new run folder" in str(
+        refused.value
+    )
+
+
+class _Planted:
+    def __reduce__(self):
+        return (os.system, ("touch planted",))
+
+
+@pytest.mark.parametrize("weights", ["malicious", "garbled"])
+def test_a_pretrained_folder_with_a_foreign_pickle_is_refused_in_one_line(
+    hf_weights, tmp_path, monkeypatch, weights
+) -> None:
+    from recipe import errors
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    shutil.copy(hf_weights / "config.json", folder)
+    if weights == "malicious":
+        torch.save({"transformer.wte.weight": _Planted()}, folder / "pytorch_model.bin")
+    else:
+        (folder / "pytorch_model.bin").write_bytes(b"not a torch file at all")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(errors.Unusable, match=rf"^model.pretrained={folder}: its weights file ho"):
+        GPT.from_pretrained(folder)
+    assert not (tmp_path / "planted").exists()

@@ -55,3 +55,27 @@ def test_missing_metrics_files_are_refused_in_one_line(tmp_path, capsys) -> None
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "--from-metrics: no file nope.jsonl" in err
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "line"),
+    [
+        ('{"step": 1}\n{"step": 2, "perf\n{"step": 3}\n', r", line 2: not JSON text"),
+        ('{"step": 1, "perf/step_ms": 5.0}\n', r": no save timed after a timed step"),
+    ],
+)
+def test_malformed_metrics_are_refused_in_one_line(
+    tmp_path, capsys, monkeypatch, content, line
+) -> None:
+    from recipe import errors
+
+    monkeypatch.setattr("sys.argv", ["save_stall.py"])
+
+    metrics = tmp_path / "sync.jsonl"
+    metrics.write_text(content)
+    args = ["--out", str(tmp_path / "r"), "--from-metrics", str(metrics), str(metrics)]
+    with pytest.raises(errors.ReportedExit) as exit_:
+        errors.main(lambda: save_stall.main(args))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith(f"save_stall.py: error: {metrics}{line}")
+    assert not (tmp_path / "r.json").exists()

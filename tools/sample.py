@@ -26,7 +26,7 @@ config.register_resolvers()  # --help: conf/sample.yaml with its comments
 NUMBERS = {
     "num_samples": config.count(1),
     "max_new_tokens": config.count(1),
-    "temperature": config.positive(),
+    "temperature": config.TEMPERATURE,
     "top_k": config.count(1, nullable=True),
     "seed": config.count(0),
 }
