@@ -147,7 +147,7 @@ def test_ddp_matches_one_process_with_twice_the_batch(runs) -> None:
     for key in single:
         torch.testing.assert_close(ddp[key], single[key], rtol=RTOL[key], atol=0)
     stdout = (runs["ddp"] / "stdout.txt").read_text()
-    assert "[opt] ddp: 2 processes, bucket_cap_mb=25" in stdout  # conf/opt/ddp.yaml's knobs
+    assert "[opt] ddp: 2 processes, bucket_cap_mb=100" in stdout  # conf/opt/ddp.yaml's knobs
 
 
 @pytest.mark.distributed
