@@ -456,6 +456,10 @@ class MetricLogger:
         write_text_atomically(run_dir / "summary.json", text)  # never through a planted link
         self.jsonl.close()
         if self.run is not None:
+            # wandb holds the last step's row until the next step or finish(), and a row sets the
+            # summary's keys: written now, so that the run's numbers (the median tokens/s, ...)
+            # overwrite the last window's, and wandb's summary is summary.json.
+            self.run.log({}, commit=True)
             self.run.summary.update(summary)
             self.run.finish()
         return summary
