@@ -55,6 +55,21 @@ def test_a_short_run_logs_everywhere_and_saves(tmp_path, capsys, wandb_calls) ->
     assert "[sample]" in capsys.readouterr().out
 
 
+def test_a_run_ends_with_a_report_of_what_it_measured(tmp_path, capsys) -> None:
+    """The last lines before 'finished': summary.json's val loss, median tokens/s, MFU, wall
+    time and peak memory (n/a on a CPU), and the command that plots the run."""
+    overrides = ("train.max_steps=4", "perf.warmup_steps=1", "sample.num_samples=0")
+    summary = train(tiny_cfg(*overrides, "wandb.mode=disabled"), tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    finished = next(i for i, line in enumerate(lines) if line.startswith("[train] finished"))
+    assert lines[finished - 3 : finished] == [
+        f"[report] val loss {summary['val/loss']:.4f} | "
+        f"{summary['perf/tokens_per_sec']:,.0f} tokens/s (median step) | mfu n/a on a cpu",
+        f"[report] wall time {summary['wall_s'] / 60:.1f} min | peak memory n/a on a cpu",
+        f"[report] plot: python scripts/plot.py {tmp_path}",
+    ]
+
+
 def test_wandbs_summary_is_summary_json(tmp_path) -> None:
     """wandb's final summary, read back from the offline run's file, holds summary.json's numbers
     (the run's median tokens/s), not the last logged window's, which a run's table would show."""
