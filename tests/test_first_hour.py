@@ -94,6 +94,32 @@ def test_workers_are_capped_to_the_cpus_and_torch_has_nothing_to_warn_about(
     assert plan.loader.num_workers == 1 and "capped" not in capsys.readouterr().out
 
 
+def test_the_opt_lines_of_a_cpu_run_describe_no_gpu_kernels(capsys) -> None:
+    cfg = tiny_cfg("+opt=[tf32,lowbit,custom_op]")
+    plan = opt.plan(cfg, SINGLE)
+    opt.apply_model_stages(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8)), cfg.opt, plan, SINGLE)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[opt]")]
+    assert [line.split(":")[0] for line in lines] == [
+        "[opt] tf32",
+        "[opt] lowbit",
+        "[opt] custom_op",
+    ]
+    assert (
+        "no TF32 tensor cores: cpu" in lines[0]
+        and "(on the cpu)" in lines[1]
+        and "on the cpu" in lines[2]
+    )
+    assert not re.search(r"on TF32 tensor cores|Triton kernel on CUDA|kernel block", str(lines))
+
+
+def test_torchao_is_imported_without_noise() -> None:
+    """torchao (the lowbit extra; transformers imports it too) logs a 'Failed to load' line per
+    compiled library it cannot use, here and in export, fine-tune and the planner's output."""
+    code = "import recipe, torchao.optim"
+    done = subprocess.run([python(), "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "" and done.stdout == ""
+
+
 # ---- FSDP's "returned a view tensor" warning
 
 
