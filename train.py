@@ -129,6 +129,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     cfg, overrides = config.for_resume(run_dir, overrides) if cfg.train.resume else (cfg, overrides)
     config.validate(cfg, overrides)
     dist = distributed.init(cfg.device)
+    config.check_device(cfg, dist.device)  # a preset sized for a GPU, on a CPU
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
