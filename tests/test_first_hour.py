@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import warnings
 
@@ -32,8 +33,9 @@ spec.loader.exec_module(readme_commands)
 def test_ci_runs_exactly_the_readmes_set_up_and_test_lines() -> None:
     lines = readme_commands.commands((ROOT / "README.md").read_text())
     commands = [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
-    install, *rest = commands
-    assert install == 'pip install torch==2.13.0 && pip install -e ".[dev]"'
+    torch_install, install, *rest = commands
+    assert torch_install.startswith("pip install torch==2.13.0 --index-url ")
+    assert install == 'pip install -e ".[dev]"'
     assert "python train.py" in rest and "pytest -q" in rest
 
     # The set-up installs what the test and lint commands run: the `dev` extra has them.
@@ -52,6 +54,27 @@ def test_ci_runs_exactly_the_readmes_set_up_and_test_lines() -> None:
     assert len(guard) == 1 and "exit 1" in guard[0]
     own = [line for line in ci if line not in guard]
     assert not [line for line in own if re.search(r"pip install|pytest|ruff|train\.py", line)]
+
+
+def test_the_first_block_installs_the_cpu_wheel_without_a_gpu_and_says_how_long_tests_take(
+    tmp_path,
+) -> None:
+    """CI's machine has no GPU: its torch comes from the CPU index (plain `pip install torch` is
+    the CUDA build on Linux, gigabytes); with an `nvidia-smi` that lists a GPU, a CUDA build."""
+    readme = (ROOT / "README.md").read_text()
+    first = readme_commands.commands(readme)[:3]
+    index = first[0].split("--index-url ")[1]
+    echo = [shutil.which("bash") or "bash", "-c", f"echo {index}"]
+    fake = tmp_path / "gpu" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100'\n")
+    fake.chmod(0o755)
+    without = subprocess.run(echo, env={"PATH": str(tmp_path)}, capture_output=True, text=True)
+    gpu_path = {"PATH": str(fake.parent)}
+    with_gpu = subprocess.run(echo, env=gpu_path, capture_output=True, text=True)
+    assert without.stdout.strip() == "https://download.pytorch.org/whl/cpu"
+    assert re.fullmatch(r"https://download.pytorch.org/whl/cu\d+", with_gpu.stdout.strip())
+    assert re.search(r"pytest -q, about \d+ minutes on 2 CPU cores", " ".join(first))
 
 
 def test_a_ci_mark_without_its_block_is_an_error() -> None:
