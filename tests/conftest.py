@@ -93,6 +93,18 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory):
     return folder, hf
 
 
+@pytest.fixture
+def read_only_dir() -> Path:
+    """A folder that no user may write, root included (sysfs); the test is skipped without one."""
+    folder = Path("/sys")
+    try:
+        (folder / "gpt2-recipe-probe").mkdir()
+    except OSError:
+        return folder
+    (folder / "gpt2-recipe-probe").rmdir()
+    pytest.skip(f"{folder} is writable here")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One prepared-corpus cache for the whole session (the config reads GPT2_RECIPE_CACHE)."""
