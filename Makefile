@@ -1,7 +1,7 @@
 .PHONY: install test test-fast lint format train
 
-install:  ## torch first (a CPU wheel here; pick your CUDA build on a GPU machine), then the project
-	pip install torch==2.13.0
+install:  ## torch first (as the README's first line: the CPU wheel without a GPU), then the project
+	pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/$$(nvidia-smi -L >/dev/null 2>&1 && echo cu130 || echo cpu)
 	pip install -e ".[dev]"
 
 test:  ## the whole suite (what CI runs)

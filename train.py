@@ -129,6 +129,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     cfg, overrides = config.for_resume(run_dir, overrides) if cfg.train.resume else (cfg, overrides)
     config.validate(cfg, overrides)
     dist = distributed.init(cfg.device)
+    config.check_device(cfg, dist.device)  # a preset sized for a GPU, on a CPU
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
@@ -231,6 +232,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     if step == max_steps and cfg.sample.num_samples and evaluated is model:
         final_samples(model, cfg, plan, dist, run_dir, step)
     summary = logger.finish(summary, run_dir)
+    distributed.log(report(summary, run_dir, dist.device))
     distributed.log(closing_line(run_dir, step, max_steps))
     let_go(folder)
     return summary
@@ -358,6 +360,24 @@ def final_samples(
     )  # fmt: skip
     if dist.is_main:
         generate.write_samples(run_dir / "samples.txt", s.prompt, texts, f"step {step}")
+
+
+def report(summary: dict[str, Any], run_dir: Path, device: torch.device) -> str:
+    """The run's last measurements (summary.json's numbers) and the command that draws them."""
+    val, speed, mfu, wall_s, memory = (
+        summary.get(key)
+        for key in ("val/loss", "perf/tokens_per_sec", "perf/mfu", "wall_s",
+                    "mem/peak_allocated_gib")
+    )  # fmt: skip
+    on_cpu = f"n/a on a {device.type}" if device.type != "cuda" else None
+    return "\n".join([
+        f"[report] val loss {'not evaluated' if val is None else f'{val:.4f}'} | "
+        f"{'no step measured' if speed is None else f'{speed:,.0f} tokens/s (median step)'} | "
+        f"mfu {on_cpu or 'n/a: set perf.peak_tflops' if mfu is None else f'{mfu:.1f}%'}",
+        f"[report] wall time {'n/a' if wall_s is None else f'{wall_s / 60:.1f} min'} | "
+        f"peak memory {on_cpu if memory is None else f'{memory:.2f} GiB allocated per GPU'}",
+        f"[report] plot: {rundir.command('python', 'scripts/plot.py', str(run_dir))}",
+    ])  # fmt: skip
 
 
 def closing_line(run_dir: Path, step: int, max_steps: int) -> str:

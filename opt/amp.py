@@ -5,7 +5,7 @@ gradients overflowed is skipped (the scale then shrinks).
 
 `dtype: auto` (the default) picks bfloat16 where the device computes in it (a CPU; a CUDA GPU of
 compute capability 8.0 or newer: Ampere, Hopper), as nanoGPT does, and float16 elsewhere: on a
-CPU float16 is emulated (~20x slower than float32), and bfloat16 needs no scaler."""
+CPU float16 gains no speed over float32, and bfloat16 needs no scaler."""
 
 from __future__ import annotations
 

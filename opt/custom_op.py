@@ -65,9 +65,14 @@ def apply_custom_op(model: GPT, cfg: DictConfig) -> None:
         float8=cfg.float8,
     )
     chunk = "all tokens" if cfg.chunk_size == 0 else f"{cfg.chunk_size} tokens"
+    device = model.lm_head.weight.device
+    rows = (  # the per-row step: kernels/linear_cross_entropy.py's _rows_kernel
+        f"Triton kernel block={cfg.block}, num_warps={cfg.num_warps}"
+        if device.type == "cuda"
+        else f"the PyTorch reference per row on the {device.type} (the Triton kernel is CUDA's)"
+    )
     log(
-        f"[opt] custom_op: fused head + cross-entropy, chunks of {chunk}, "
-        f"kernel block={cfg.block}, num_warps={cfg.num_warps}"
+        f"[opt] custom_op: fused head + cross-entropy, chunks of {chunk}, {rows}"
         + (", float8 matmuls" if cfg.float8 else "")
     )
 

@@ -51,9 +51,9 @@ from recipe.errors import ConfigError
 TAG = "lowbit_bits"  # marks a quantized moment saved as its parts; its value: 8 or 4
 
 
-def apply_lowbit(cfg: DictConfig) -> type[torch.optim.Optimizer]:
+def apply_lowbit(cfg: DictConfig, device_type: str = "cuda") -> type[torch.optim.Optimizer]:
     """The optimizer class for `cfg.bits` and `cfg.impl`, built by the trainer like AdamW (same
-    groups, learning rate, betas and weight decay)."""
+    groups, learning rate, betas and weight decay), for parameters on a `device_type` device."""
     try:
         from torchao.optim import AdamW4bit, AdamW8bit
     except ImportError as e:
@@ -66,8 +66,8 @@ def apply_lowbit(cfg: DictConfig) -> type[torch.optim.Optimizer]:
     optimizer_class = _lowbit_adamw(base, fused)
     how = (
         "our Triton kernel on CUDA, a launch for many tensors (kernels/triton_adamw8bit.py)"
-        if fused
-        else "torchao's update, compiled once"
+        if fused and device_type == "cuda"
+        else f"torchao's update, compiled once (on the {device_type})"
     )
     log(f"[opt] lowbit: {base.__name__}, AdamW's moments in {cfg.bits} bits; the update: {how}")
     return optimizer_class
@@ -244,7 +244,7 @@ class Knobs:
 
 
 def _apply(ctx: Context) -> None:
-    ctx.plan.optimizer_class = apply_lowbit(ctx.knobs)
+    ctx.plan.optimizer_class = apply_lowbit(ctx.knobs, ctx.dist.device.type)
     if ctx.knobs.weights == "bfloat16":
         store_weights_in_bfloat16(ctx.plan)
 

@@ -10,17 +10,21 @@ rebuilt from what was saved plus what the command line changes.
   (the model's shape, the corpus, the seed) are refused naming both values.
 - `annotated_help(config_name)`: `--help` of the Hydra apps (train.py, sample.py, the scripts):
   their yaml file as written, comments included, and the options of its groups.
+- `check_device(cfg, device)`: a preset sized for a GPU (its `measured` row of results) is not
+  started on a CPU by accident.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import hydra
+import torch
 import yaml
 from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -35,6 +39,8 @@ from recipe.knobs import Choices, Number, count, positive
 
 CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+ROOT = CONF_DIR.parent  # a preset's `measured` file is named from here
+CPU_PRESET = "laptop"  # the preset sized for a CPU
 
 
 # Logits are divided by the temperature: below this, a float32 logit overflows to inf and the
@@ -164,6 +170,33 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         raise ConfigError(
             f"model.n_embd={cfg.model.n_embd} must be divisible by model.n_head={cfg.model.n_head}"
         )
+
+
+def measured(ref: str) -> str:
+    """A preset's `measured` row (`<results json>#<step>`) in words: its tokens/s and peak memory,
+    on which GPU, and where they come from (the shipped results, not a copy that can go stale)."""
+    path, _, name = ref.partition("#")
+    results = json.loads((ROOT / path).read_text())
+    row = next(r for r in results["steps"] if r["name"] == name)
+    return (
+        f"{row['tokens_per_sec']:,.0f} tokens/s and {row['peak_allocated_gib']:.1f} GiB peak "
+        f"allocated on one {results['environment']['device']} ({path}, row {name})"
+    )
+
+
+def check_device(cfg: DictConfig, device: torch.device) -> None:
+    """A preset sized for a GPU (its `measured` row) on a CPU: refused where the CPU was chosen
+    for it (device=auto on a machine without a GPU: the kernel may kill the run for its memory,
+    or it takes days), a warning where the CPU was asked for (device=cpu)."""
+    if device.type != "cpu" or not cfg.get("measured"):
+        return
+    line = (
+        f"this preset is sized for a GPU: {measured(cfg.measured)}; on a CPU use "
+        f"preset={CPU_PRESET}"
+    )
+    if cfg.device == "auto":
+        raise ConfigError(f"{line} (device=cpu runs this one on the CPU anyway)")
+    log(f"[train] warning: {line}")
 
 
 # ---- the run folder's copy of the configuration, and resuming from it
@@ -325,14 +358,16 @@ def register_resolvers() -> None:
 
 
 def _header(path: Path) -> str:
-    """A yaml file's opening comment, as one line (without Hydra's `# @package` line)."""
+    """A yaml file's opening comment, as one line (without Hydra's `# @package` line); a preset's
+    with its `measured` row's numbers, read from the results."""
     lines = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
         if not line.lstrip("#").strip().startswith("@package"):
             lines.append(line.lstrip("#").strip())
-    return " ".join(lines)
+    row = cast(DictConfig, OmegaConf.load(path)).get("measured")
+    return " ".join(lines + ([f"Measured: {measured(row)}."] if row else []))
 
 
 def _groups(config_name: str) -> list[tuple[str, Any]]:

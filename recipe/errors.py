@@ -9,6 +9,8 @@
   folder) ends the program with one line, `<program>: error: <what and how to fix it>`, exit 2.
 - Hydra's own errors are the user's too (an unknown key, an unknown option of a group, an
   override it cannot parse): the same one line, exit 2.
+- So is a path the system refuses to this user (a read-only folder: the run folder Hydra makes,
+  a tool's `out=`): the same one line, exit 2.
 - A run that stops itself (`Reported`, e.g. recipe/guard.py's NonFiniteSteps): its line, exit 1.
 - Ctrl-C that reaches the program as KeyboardInterrupt: `<program>: interrupted`, exit 130.
 - Anything else is a bug and keeps its traceback, as does everything under HYDRA_FULL_ERROR=1.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import functools
 import os
 import re
@@ -118,7 +121,8 @@ def main(entry: Callable[[], Any]) -> Any:
 
 
 def _one_line(task: Callable[[], Any], program: str) -> Any:
-    """Runs `task`; a user's error or a Hydra error ends the program in one line."""
+    """Runs `task`; a user's error, a Hydra error or a refused path ends the program in one
+    line."""
     try:
         return task()
     except KeyboardInterrupt as e:  # the user's Ctrl-C, not a bug: no traceback
@@ -129,13 +133,26 @@ def _one_line(task: Callable[[], Any], program: str) -> Any:
         raise ReportedExit(line, INTERRUPTED) from None
     except Exception as e:
         full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"  # Hydra's switch: tracebacks
-        if full_error or not isinstance(e, (Reported, *_hydra_errors())):
+        refused = _refused_path(e)
+        if full_error or not (isinstance(e, (Reported, *_hydra_errors())) or refused):
             raise
         status = e.status if isinstance(e, Reported) else UserError.status
-        message = str(e) if isinstance(e, Reported) else hydra_message(e)
+        message = str(e) if isinstance(e, Reported) else refused or hydra_message(e)
         line = f"{program}: error: {' '.join(message.split())}"
         print(line, file=sys.stderr)
         raise ReportedExit(line, status) from None
+
+
+def _refused_path(e: Exception) -> str:
+    """The line for a path the system refuses to this user (no permission, a read-only file
+    system), wherever it was met; '' for any other error."""
+    refusals = (errno.EACCES, errno.EPERM, errno.EROFS)
+    if not isinstance(e, OSError) or e.errno not in refusals or not e.filename:
+        return ""
+    return (
+        f"{Path(e.filename).absolute()}: {e.strerror}: give a folder this user can write (a run's: "
+        "hydra.run.dir=<folder>, or start it from a writable folder; a tool's: out=<path>)"
+    )
 
 
 def _hydra_errors() -> tuple[type[Exception], ...]:

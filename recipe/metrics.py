@@ -6,7 +6,7 @@ Metric names (the same everywhere):
     perf/tokens_per_sec, perf/mfu (%), perf/step_ms, perf/data_wait_ms, perf/joules_per_token,
     perf/gpu_busy (%),
     mem/peak_allocated_gib, mem/peak_reserved_gib
-The run's summary adds first_step_s, compile_s, compile_warm, goodput, data_wait_ms,
+The run's summary adds wall_s, first_step_s, compile_s, compile_warm, goodput, data_wait_ms,
 joules_per_token and gpu_busy (LoopMeter.summary).
 """
 
@@ -234,14 +234,15 @@ class LoopMeter:
         return steps * self.perf_args["tokens_per_step"] / self.perf_args["world_size"]
 
     def summary(self) -> dict[str, Any]:
-        """The run's numbers for summary.json: throughput over the measured steps, cold start,
-        goodput, the host's mean wait for a batch, joules per token and the GPU's busy share over
-        the measured steps."""
+        """The run's numbers for summary.json: throughput over the measured steps, the wall time
+        since train() began, cold start, goodput, the host's mean wait for a batch, joules per
+        token and the GPU's busy share over the measured steps."""
         self.step_ms += self.timer.read_ms()  # steps after the last log (a stop) ran too
         measured = self.step_ms[self.first_measured :]
         out: dict[str, Any] = summarize(measured, **self.perf_args) if measured else {}
         steady = statistics.median(measured or self.step_ms[1:]) if len(self.step_ms) > 1 else None
         wall_s = self.clock() - self.started
+        out["wall_s"] = wall_s
         out |= cold_start(self.step_ms, steady, self._loop_start, wall_s, self.compiled)
         out["compile_warm"] = compile_warm(self._cache) if self.compiled else None
         waits = self.wait_ms[self.first_measured :]
@@ -456,6 +457,10 @@ class MetricLogger:
         write_text_atomically(run_dir / "summary.json", text)  # never through a planted link
         self.jsonl.close()
         if self.run is not None:
+            # wandb holds the last step's row until the next step or finish(), and a row sets the
+            # summary's keys: written now, so that the run's numbers (the median tokens/s, ...)
+            # overwrite the last window's, and wandb's summary is summary.json.
+            self.run.log({}, commit=True)
             self.run.summary.update(summary)
             self.run.finish()
         return summary

@@ -25,11 +25,11 @@ def autocast(
 
 
 def warn_if_float16_on_cpu(dtype: torch.dtype, device: torch.device, key: str) -> None:
-    """One line when float16 would run on a CPU: most CPUs have no float16 arithmetic, so
-    PyTorch emulates it (the tiny model's step: 26x slower than in float32 on a 2-core machine),
-    while bfloat16 runs at about float32's speed. `key` is the setting that chose float16."""
+    """One line when float16 would run on a CPU: it buys no speed there over float32 (how fast
+    depends on the CPU and the oneDNN kernels torch has for it), and its narrow range needs a
+    loss scaler that bfloat16 does not. `key` is the setting that chose float16."""
     if dtype == torch.float16 and device.type == "cpu":
         log(
-            f"[warning] {key}=float16 on a CPU is emulated (no float16 hardware): ~20-30x slower "
-            f"than float32; use {key}=bfloat16 (about float32's speed)"
+            f"[warning] {key}=float16 on a CPU gains no speed over float32, and its narrow range "
+            f"needs a loss scaler; use {key}=bfloat16"
         )

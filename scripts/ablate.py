@@ -3,6 +3,7 @@
     python scripts/ablate.py ladder=speed           # the book's speed ladder, then beyond
     python scripts/ablate.py ladder=memory          # the book's memory ladder
     python scripts/ablate.py ladder=quick           # a CPU-sized ladder, for trying the harness
+                                                    # (the others measure GPUs: refused without one)
     python scripts/ablate.py ladder=speed 'steps=[compile,amp_fp16]' "extra=['+prof=trace']"
     python scripts/ablate.py ladder=speed repeats=5 'steps=[custom_op]'  # anchored on memmap
     python scripts/ablate.py ladder=speed profile=true  # + each row's time by kernel family
@@ -437,6 +438,20 @@ def selection(cfg: DictConfig, plans: list[dict]) -> tuple[list[dict], dict | No
         reference = ladder.get("reference")
         candidate = plans[names.index(reference)] if reference else plans[0]
     return chosen, None if candidate is None or candidate["name"] in wanted else candidate
+
+
+def check_device(cfg: DictConfig) -> None:
+    """A ladder that measures a GPU's work (its workload does not say device=cpu), on a machine
+    without a GPU: refused up front, naming the ladder sized for a CPU. A step would otherwise
+    train its model on the CPU for hours, or until the kernel kills it for its memory."""
+    ladder = cfg.ladder
+    if torch.cuda.is_available() or "device=cpu" in [*ladder.workload, *cfg.extra]:
+        return
+    model = next((w for w in ladder.workload if w.startswith("model=")), "its model")
+    raise recipe.errors.ConfigError(
+        f"ladder={ladder.name} measures {model} on a GPU, and this machine has none: use "
+        "ladder=quick, sized for a CPU (or \"extra=['device=cpu']\" to run this one anyway)"
+    )
 
 
 def repeated(names: list[str]) -> list[str]:
@@ -974,6 +989,7 @@ def main(argv: list[str]) -> list[dict]:
     if cfg.report:
         return report(Path(cfg.report))
     ladder = cfg.ladder
+    check_device(cfg)
     plans = step_plans(ladder)
     chosen, anchor = selection(cfg, plans)
     repeats = repeat_count(cfg, ladder)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import struct
 import sys
+import time
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -91,6 +93,18 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory):
     return folder, hf
 
 
+@pytest.fixture
+def read_only_dir() -> Path:
+    """A folder that no user may write, root included (sysfs); the test is skipped without one."""
+    folder = Path("/sys")
+    try:
+        (folder / "gpt2-recipe-probe").mkdir()
+    except OSError:
+        return folder
+    (folder / "gpt2-recipe-probe").rmdir()
+    pytest.skip(f"{folder} is writable here")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One prepared-corpus cache for the whole session (the config reads GPT2_RECIPE_CACHE)."""
@@ -115,6 +129,63 @@ def _fresh_torch_state() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
+def wandb_records(run_dir: Path, timeout_s: float = 30.0) -> list[Any]:
+    """The records of the offline wandb run in `run_dir`, read back from its `run-<id>.wandb`
+    file (wandb 0.31 writes no wandb-summary.json offline, and has no Python reader: the file is
+    a LevelDB log of `wandb_internal_pb2.Record`s). wandb's service process may still be writing
+    when `finish()` returns: this waits for the run's last record, its exit."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = []
+        for payload in _leveldb_log(path.read_bytes()):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+            record.ParseFromString(payload)
+            records.append(record)
+        if any(r.HasField("exit") for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def _leveldb_log(data: bytes) -> Iterator[bytes]:
+    """The payloads of a LevelDB log after wandb's 7-byte file header: 32 KiB blocks of chunks,
+    each a 7-byte header (checksum, length, type: 1 whole, 2 first, 3 middle, 4 last)."""
+    assert data[:4] == b":W&B", "not a wandb run file"
+    block, pos, pending = 32768, 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 or pos + 7 + length > len(data):  # zeros, or a chunk still being written
+            return
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            yield pending
+            pending = b""
+
+
+def wandb_summary(run_dir: Path) -> dict[str, Any]:
+    """The offline wandb run's final summary, as wandb would upload it: its summary records'
+    updates and removals in order."""
+    summary: dict[str, Any] = {}
+    for record in wandb_records(run_dir):
+        if record.HasField("summary"):
+            for item in record.summary.update:
+                summary[item.key or ".".join(item.nested_key)] = json.loads(item.value_json)
+            for item in record.summary.remove:
+                summary.pop(item.key or ".".join(item.nested_key), None)
+    return summary
+
+
+def wandb_run_record(run_dir: Path) -> Any:
+    """The offline wandb run's `run` record: its name (`display_name`), `run_group`, id."""
+    return next(r.run for r in wandb_records(run_dir) if r.HasField("run"))
+
+
 @dataclass
 class WandbCalls:
     """What the trainer handed to wandb's public API: `wandb.init`'s arguments and each
@@ -127,9 +198,8 @@ class WandbCalls:
 
 @pytest.fixture
 def wandb_calls(monkeypatch: pytest.MonkeyPatch) -> WandbCalls:
-    """Spies on wandb through its public API. (Reading the offline run's file back would depend
-    on wandb's private format, and the file is complete only once wandb's service process has
-    closed it, which can be after `finish()` returns: the cause of an intermittent failure.)"""
+    """Spies on wandb through its public API: what the trainer asked for. What wandb made of it
+    (the final summary, the run's name and group) is read back with `wandb_records`."""
     import wandb
 
     calls, real_init = WandbCalls(), wandb.init

@@ -29,6 +29,14 @@ def _ladder(name: str):
         return compose("ablate", overrides=[f"ladder={name}"]).ladder
 
 
+@pytest.mark.parametrize("name", ["speed", "memory_xl"])
+def test_a_gpu_ladder_without_a_gpu_is_refused_naming_the_quick_ladder(monkeypatch, name) -> None:
+    monkeypatch.setattr(ablate.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ablate.recipe.errors.ConfigError, match=f"^ladder={name} measures") as e:
+        ablate.main([f"ladder={name}"])  # before any step runs
+    assert "use ladder=quick, sized for a CPU" in str(e.value)
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ablate.CONF / "ladder").glob("*.yaml")))
 def test_every_ladder_composes_into_valid_train_configs(name: str) -> None:
     from conftest import make_cfg

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 import opt
-from conftest import ROOT, TINY, make_cfg, python, tiny_cfg
+from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run
 from recipe import config, errors
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteSteps
@@ -61,6 +61,32 @@ def test_a_mistake_on_the_command_line_ends_in_one_line_before_any_work(
     assert done.stderr.startswith(f"train.py: error: {line}"), done.stderr
     assert not list(cache.iterdir())  # nothing prepared
     assert not (tmp_path / "run").exists()  # no run folder left behind
+
+
+@pytest.mark.parametrize("case", ["cwd", "run_dir", "export"])
+def test_an_unwritable_folder_ends_in_one_line(tmp_path, read_only_dir, case) -> None:
+    """A read-only working folder (Hydra's outputs/ there), `hydra.run.dir=<read-only>/run1`,
+    and `python -m tools.export_hf out=<read-only>/x`: one line naming the path, exit 2."""
+    run = [*TINY, "train.max_steps=1"]
+    command, cwd, path = {
+        "cwd": ([str(ROOT / "train.py"), *run], read_only_dir, read_only_dir / "outputs"),
+        "run_dir": (["train.py", *run, f"hydra.run.dir={read_only_dir / 'run1'}"], ROOT,
+                    read_only_dir / "run1"),
+        "export": (["-m", "tools.export_hf", f"run={tmp_path}", f"out={read_only_dir / 'x'}"],
+                   ROOT, read_only_dir / "x"),
+    }[case]  # fmt: skip
+    if case == "export":
+        tiny_run(tmp_path, "train.max_steps=1", "sample.num_samples=0", "wandb.mode=disabled")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # from another folder, as when installed
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run(
+        [python(), *command], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    program = "export_hf" if case == "export" else "train"
+    assert line.startswith(f"{program}.py: error: {path}: "), line
+    assert "give a folder this user can write" in line
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import warnings
 
@@ -32,8 +33,9 @@ spec.loader.exec_module(readme_commands)
 def test_ci_runs_exactly_the_readmes_set_up_and_test_lines() -> None:
     lines = readme_commands.commands((ROOT / "README.md").read_text())
     commands = [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
-    install, *rest = commands
-    assert install == 'pip install torch==2.13.0 && pip install -e ".[dev]"'
+    torch_install, install, *rest = commands
+    assert torch_install.startswith("pip install torch==2.13.0 --index-url ")
+    assert install == 'pip install -e ".[dev]"'
     assert "python train.py" in rest and "pytest -q" in rest
 
     # The set-up installs what the test and lint commands run: the `dev` extra has them.
@@ -54,6 +56,27 @@ def test_ci_runs_exactly_the_readmes_set_up_and_test_lines() -> None:
     assert not [line for line in own if re.search(r"pip install|pytest|ruff|train\.py", line)]
 
 
+def test_the_first_block_installs_the_cpu_wheel_without_a_gpu_and_says_how_long_tests_take(
+    tmp_path,
+) -> None:
+    """CI's machine has no GPU: its torch comes from the CPU index (plain `pip install torch` is
+    the CUDA build on Linux, gigabytes); with an `nvidia-smi` that lists a GPU, a CUDA build."""
+    readme = (ROOT / "README.md").read_text()
+    first = readme_commands.commands(readme)[:3]
+    index = first[0].split("--index-url ")[1]
+    echo = [shutil.which("bash") or "bash", "-c", f"echo {index}"]
+    fake = tmp_path / "gpu" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100'\n")
+    fake.chmod(0o755)
+    without = subprocess.run(echo, env={"PATH": str(tmp_path)}, capture_output=True, text=True)
+    gpu_path = {"PATH": str(fake.parent)}
+    with_gpu = subprocess.run(echo, env=gpu_path, capture_output=True, text=True)
+    assert without.stdout.strip() == "https://download.pytorch.org/whl/cpu"
+    assert re.fullmatch(r"https://download.pytorch.org/whl/cu\d+", with_gpu.stdout.strip())
+    assert re.search(r"pytest -q, about \d+ minutes on 2 CPU cores", " ".join(first))
+
+
 def test_a_ci_mark_without_its_block_is_an_error() -> None:
     assert readme_commands.commands("<!-- ci -->\n```bash\nmake test\n```\n") == ["make test"]
     with pytest.raises(SystemExit, match="must precede a ```bash block"):
@@ -67,8 +90,9 @@ def test_float16_on_a_cpu_warns_once_and_bfloat16_does_not(capsys) -> None:
     opt.plan(tiny_cfg("+opt=amp", "opt.amp.dtype=float16"), SINGLE)
     out = capsys.readouterr().out
     assert out.count("[warning]") == 1
-    assert "opt.amp.dtype=float16 on a CPU is emulated" in out
+    assert "opt.amp.dtype=float16 on a CPU gains no speed over float32" in out
     assert "use opt.amp.dtype=bfloat16" in out
+    assert not re.search(r"\d+x slower", out)  # measured: float32's speed on a 2-core CPU
     opt.plan(tiny_cfg("+opt=amp", "opt.amp.dtype=bfloat16"), SINGLE)
     assert "[warning]" not in capsys.readouterr().out
 
@@ -92,6 +116,32 @@ def test_workers_are_capped_to_the_cpus_and_torch_has_nothing_to_warn_about(
     assert not [w for w in caught if "worker processes in total" in str(w.message)]
     plan = opt.plan(tiny_cfg("+opt=workers", "opt.workers.num_workers=1"), SINGLE)
     assert plan.loader.num_workers == 1 and "capped" not in capsys.readouterr().out
+
+
+def test_the_opt_lines_of_a_cpu_run_describe_no_gpu_kernels(capsys) -> None:
+    cfg = tiny_cfg("+opt=[tf32,lowbit,custom_op]")
+    plan = opt.plan(cfg, SINGLE)
+    opt.apply_model_stages(GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8)), cfg.opt, plan, SINGLE)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[opt]")]
+    assert [line.split(":")[0] for line in lines] == [
+        "[opt] tf32",
+        "[opt] lowbit",
+        "[opt] custom_op",
+    ]
+    assert (
+        "no TF32 tensor cores: cpu" in lines[0]
+        and "(on the cpu)" in lines[1]
+        and "on the cpu" in lines[2]
+    )
+    assert not re.search(r"on TF32 tensor cores|Triton kernel on CUDA|kernel block", str(lines))
+
+
+def test_torchao_is_imported_without_noise() -> None:
+    """torchao (the lowbit extra; transformers imports it too) logs a 'Failed to load' line per
+    compiled library it cannot use, here and in export, fine-tune and the planner's output."""
+    code = "import recipe, torchao.optim"
+    done = subprocess.run([python(), "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "" and done.stdout == ""
 
 
 # ---- FSDP's "returned a view tensor" warning

@@ -72,6 +72,7 @@ def test_first_step_compile_and_goodput_from_a_fake_clock(monkeypatch) -> None:
     assert summary["first_step_s"] == pytest.approx(5.0 + 1.0)  # launch -> loop, then the step
     assert summary["compile_s"] == pytest.approx(0.9)  # 1.0 s against a steady 0.1 s
     wall = 2.0 + 1.4 + 1.0 + 0.4 + 0.5
+    assert summary["wall_s"] == pytest.approx(wall)
     assert summary["goodput"] == pytest.approx(9 * 0.1 / wall)  # the first step as a steady one
     assert summary["data_wait_ms"] == pytest.approx(20)
     assert summary["compile_warm"] is None  # nothing compiled

@@ -5,7 +5,9 @@ files load without `datasets`' progress bars."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import opt
-from conftest import CONF, load_script, make_cfg, tiny_cfg, tiny_run
+from conftest import CONF, ROOT, load_script, make_cfg, python, tiny_cfg, tiny_run
 from data.prepare import describe
 from data.sources import _text_files
 from opt.amp import resolve_dtype
@@ -190,3 +192,50 @@ def test_help_lists_each_preset_with_its_summary_not_hydras_package_line() -> No
     text = annotated_help("config")
     assert "@package" not in text.split("== preset:")[1]
     assert re.search(r"^  laptop +A run that finishes on a laptop CPU", text, flags=re.M)
+
+
+# ---- presets sized for a GPU: their numbers come from the results they were measured in
+
+
+def _row(ref: str) -> dict:
+    path, _, name = ref.partition("#")
+    return next(r for r in json.loads((ROOT / path).read_text())["steps"] if r["name"] == name)
+
+
+def test_help_quotes_each_gpu_presets_numbers_from_its_results() -> None:
+    from recipe.config import annotated_help
+
+    text = " ".join(annotated_help("config").split("== preset:")[1].split())
+    for name in ("fastest", "gpu24gb-xl"):
+        row = _row(make_cfg(f"preset={name}").measured)
+        assert (
+            f"{row['tokens_per_sec']:,.0f} tokens/s and {row['peak_allocated_gib']:.1f} GiB" in text
+        )
+    comments = " ".join(p.read_text() for p in (CONF / "preset").glob("*.yaml"))
+    assert not re.search(r"\d,\d{3} tokens/s|\d GiB", comments)  # no copy to go stale
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_a_gpu_preset_on_a_cpu_is_refused_naming_its_memory_and_the_cpu_preset(tmp_path) -> None:
+    """`python train.py preset=fastest` without a GPU: one line, before any work (the kernel
+    killed such a run at 20 GB), naming the preset's measured memory and preset=laptop."""
+    done = subprocess.run(
+        [python(), "train.py", "preset=fastest", "train.max_steps=2",
+         f"hydra.run.dir={tmp_path}/r"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    peak = _row(make_cfg("preset=fastest").measured)["peak_allocated_gib"]
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("train.py: error: this preset is sized for a GPU")
+    assert f"{peak:.1f} GiB" in line and "preset=laptop" in line and "device=cpu" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_gpu_preset_asked_to_run_on_the_cpu_warns(capsys) -> None:
+    from recipe.config import check_device
+
+    check_device(make_cfg("preset=gpu24gb-xl", "device=cpu"), torch.device("cpu"))
+    assert "[train] warning: this preset is sized for a GPU" in capsys.readouterr().out
+    check_device(make_cfg("preset=laptop"), torch.device("cpu"))  # sized for it: silent
+    assert capsys.readouterr().out == ""

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run
+from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run, wandb_summary
 from model import GPT, GPTConfig
 from recipe import checkpoint
 from recipe.distributed import Distributed
@@ -43,7 +43,8 @@ def test_a_short_run_logs_everywhere_and_saves(tmp_path, capsys, wandb_calls) ->
     (init,) = wandb_calls.init  # wandb got the same numbers, and an offline run exists
     assert init["name"] == "tiny-baseline" and init["mode"] == "offline"
     assert init["config"]["train"]["max_steps"] == 6 and init["config"]["stages"] == []
-    assert [{"step": step, **metrics} for metrics, step in wandb_calls.logs] == rows
+    sent = [{"step": step, **metrics} for metrics, step in wandb_calls.logs if metrics]
+    assert sent == rows  # (and an empty log that commits the last row before the summary)
     assert wandb_calls.finished == 1
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
 
@@ -52,6 +53,31 @@ def test_a_short_run_logs_everywhere_and_saves(tmp_path, capsys, wandb_calls) ->
     assert summary["completed"] and summary["val/loss"] == val[6]
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 6
     assert "[sample]" in capsys.readouterr().out
+
+
+def test_a_run_ends_with_a_report_of_what_it_measured(tmp_path, capsys) -> None:
+    """The last lines before 'finished': summary.json's val loss, median tokens/s, MFU, wall
+    time and peak memory (n/a on a CPU), and the command that plots the run."""
+    overrides = ("train.max_steps=4", "perf.warmup_steps=1", "sample.num_samples=0")
+    summary = train(tiny_cfg(*overrides, "wandb.mode=disabled"), tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    finished = next(i for i, line in enumerate(lines) if line.startswith("[train] finished"))
+    assert lines[finished - 3 : finished] == [
+        f"[report] val loss {summary['val/loss']:.4f} | "
+        f"{summary['perf/tokens_per_sec']:,.0f} tokens/s (median step) | mfu n/a on a cpu",
+        f"[report] wall time {summary['wall_s'] / 60:.1f} min | peak memory n/a on a cpu",
+        f"[report] plot: python scripts/plot.py {tmp_path}",
+    ]
+
+
+def test_wandbs_summary_is_summary_json(tmp_path) -> None:
+    """wandb's final summary, read back from the offline run's file, holds summary.json's numbers
+    (the run's median tokens/s), not the last logged window's, which a run's table would show."""
+    overrides = ("train.max_steps=8", "train.log_interval=4", "perf.warmup_steps=2")
+    train(tiny_cfg(*overrides), tmp_path)
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    in_wandb = wandb_summary(tmp_path)
+    assert {key: in_wandb.get(key) for key in saved} == saved
 
 
 def _stop_after(steps: int) -> type[checkpoint.StopSignal]:
