@@ -77,7 +77,6 @@ from data import integrity
 from recipe.distributed import Distributed, launcher_died, log
 from recipe.errors import ConfigError, MissingFile, Reported, Unusable
 from recipe.files import refuse_link, write_text_atomically
-from recipe.guard import NonFiniteSteps
 
 FILENAME = "checkpoint.pt"
 SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256.json) and LATEST
@@ -550,9 +549,12 @@ class Saver:
             kept = "there is none"
             if (run_dir / FILENAME).exists() or (run_dir / SHARDED / "LATEST").exists():
                 kept = f"step {read(run_dir)['step']}'s is kept"
-            raise NonFiniteSteps(
+            # The user's settings made these weights: a learning rate that overflows them with
+            # finite gradients, or a start (model.pretrained, the data) that was not finite.
+            raise ConfigError(
                 f"step {step}: the weights are not finite, so no checkpoint was written (the "
-                f"last good one: {kept}). Try a lower train.lr or opt.amp.dtype=bfloat16."
+                f"last good one: {kept}). Lower train.lr (or use opt.amp.dtype=bfloat16), and "
+                "check the data and the weights the run started from (model.pretrained)"
             )
         self._refuse_links(step)
         meta = {"scaler": scaler.state_dict(), "step": step, "rng": dist.gather(_rng_state()),
