@@ -74,10 +74,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from data import integrity
-from recipe.distributed import Distributed, log
+from recipe.distributed import Distributed, launcher_died, log
 from recipe.errors import ConfigError, MissingFile, Reported, Unusable
 from recipe.files import refuse_link, write_text_atomically
-from recipe.guard import NonFiniteSteps
 
 FILENAME = "checkpoint.pt"
 SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256.json) and LATEST
@@ -550,9 +549,12 @@ class Saver:
             kept = "there is none"
             if (run_dir / FILENAME).exists() or (run_dir / SHARDED / "LATEST").exists():
                 kept = f"step {read(run_dir)['step']}'s is kept"
-            raise NonFiniteSteps(
+            # The user's settings made these weights: a learning rate that overflows them with
+            # finite gradients, or a start (model.pretrained, the data) that was not finite.
+            raise ConfigError(
                 f"step {step}: the weights are not finite, so no checkpoint was written (the "
-                f"last good one: {kept}). Try a lower train.lr or opt.amp.dtype=bfloat16."
+                f"last good one: {kept}). Lower train.lr (or use opt.amp.dtype=bfloat16), and "
+                "check the data and the weights the run started from (model.pretrained)"
             )
         self._refuse_links(step)
         meta = {"scaler": scaler.state_dict(), "step": step, "rng": dist.gather(_rng_state()),
@@ -1152,10 +1154,11 @@ def _set_state(
 
 
 class StopSignal:
-    """Turns SIGTERM (cluster preemption) and SIGINT (Ctrl-C) into a request to checkpoint and
-    exit at the end of the current step. A second Ctrl-C quits at once, unless it comes within
-    `echo_s` of the first: torchrun forwards the signal it receives to its workers, so one Ctrl-C
-    in a terminal (which reaches the whole process group) arrives twice."""
+    """Turns SIGTERM (cluster preemption, or the kernel's word that the torchrun agent died) and
+    SIGINT (Ctrl-C) into a request to checkpoint and exit at the end of the current step. A
+    second Ctrl-C quits at once, unless it comes within `echo_s` of the first: torchrun forwards
+    the signal it receives to its workers, so one Ctrl-C in a terminal (which reaches the whole
+    process group) arrives twice."""
 
     echo_s = 2.0
 
@@ -1177,7 +1180,11 @@ class StopSignal:
         self._first = now
         self.requested = True
         name = self.signal = signal.Signals(signum).name
-        print(f"\n[train] {name}: saving a checkpoint after this step, then exiting", flush=True)
+        # The kernel's SIGTERM when the torchrun agent died (distributed.die_with_launcher): no
+        # launcher waits for this trainer any more, and the user should know why it stopped.
+        why = " (the torchrun agent that launched this trainer died)" if launcher_died() else ""
+        print(f"\n[train] {name}{why}: saving a checkpoint after this step, then exiting",
+              flush=True)  # fmt: skip
 
     def __enter__(self) -> StopSignal:
         for sig in (signal.SIGTERM, signal.SIGINT):

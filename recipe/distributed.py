@@ -4,8 +4,11 @@ commands a run prints); the `torchrun` command lines that start them are launch/
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -13,13 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from recipe.errors import ConfigError, Unusable
+from recipe.errors import ConfigError, Reported, Unusable
 
 DEVICES = ("auto", "cpu", "cuda")
 # The CPU group's collectives wait this long. It carries host-side waits, such as the other
 # ranks waiting for a corpus to be prepared, which can take hours; when a process dies, torchrun
 # stops the others, so a long timeout never holds a failed job.
 HOST_TIMEOUT = datetime.timedelta(hours=24)
+PR_SET_PDEATHSIG = 1  # prctl's option (<linux/prctl.h>): a signal for when the parent dies
 
 
 def log(message: str) -> None:
@@ -242,7 +246,9 @@ def init_process_group(device: torch.device, **how: Any) -> None:
 
 
 def init(device_choice: str) -> Distributed:
-    """Joins the process group when launched by torchrun; otherwise a world of one."""
+    """Joins the process group when launched by torchrun (dying with its agent:
+    `die_with_launcher`); otherwise a world of one."""
+    die_with_launcher()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -250,6 +256,37 @@ def init(device_choice: str) -> Distributed:
     if world_size > 1 and not dist.is_initialized():
         init_process_group(device)
     return Distributed(rank, local_rank, world_size, device)
+
+
+_launcher_pid: int | None = None  # the torchrun agent this worker dies with
+
+
+def die_with_launcher() -> None:
+    """Under torchrun on Linux, has the kernel send this worker SIGTERM when its agent dies: an
+    agent killed outright (SIGKILL, the OOM killer) forwards no signal, and its workers, each in
+    a session of its own, would go on training unseen, holding the run folder's lock. The stop
+    handler then saves and exits like at any SIGTERM, saying why (`launcher_died`). An agent
+    already gone when this runs (the signal is asked for too late) is reported at once."""
+    global _launcher_pid
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+    if not under_torchrun or not sys.platform.startswith("linux") or _launcher_pid is not None:
+        return
+    agent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return  # refused (a sandbox): the worker lives on as without it
+    _launcher_pid = agent
+    if os.getppid() != agent:  # it died before the kernel would tell: nothing trained yet
+        raise Reported(
+            "the torchrun agent that launched this trainer is gone: stopping before training; "
+            "launch the run again"
+        )
+
+
+def launcher_died() -> bool:
+    """Whether the torchrun agent this worker was set to die with (`die_with_launcher`) has
+    died: this process then belongs to another parent."""
+    return _launcher_pid is not None and os.getppid() != _launcher_pid
 
 
 def shutdown() -> None:

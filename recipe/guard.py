@@ -27,8 +27,8 @@ from recipe.errors import Reported
 
 
 class NonFiniteSteps(Reported, RuntimeError):
-    """The run diverged: too many consecutive non-finite steps, or weights that are not finite
-    when a checkpoint is due. It cannot go on (its line, exit status 1)."""
+    """The run diverged: too many consecutive non-finite steps. It cannot go on (its line, exit
+    status 1)."""
 
 
 class NonFiniteGuard:

@@ -77,6 +77,7 @@ from omegaconf import DictConfig
 import recipe.errors
 from launch.provenance import device_name, environment, git_commit
 from launch.torchrun import descendants, torchrun
+from recipe.files import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 # The harness's own config, apart from conf/'s groups: train.py's search path does not see it.
@@ -968,14 +969,24 @@ def results_dir(cfg: DictConfig) -> Path:
     return PUBLISHED if cfg.publish else Path(cfg.out_dir)
 
 
+# What `report=` reads of a results json: its rows' names, status and numbers, its segments.
+MAYBE_NUMBER = (float, None)
+ROW = {"name": str, "status": str, "what": str, "repeats?": int, "gpus?": int, "nnodes?": int,
+       "interval?": ([float], None), "tokens_per_sec_runs?": ([float], None),
+       **{f"{column}?": MAYBE_NUMBER for column, _ in NUMBERS}}  # fmt: skip
+RESULTS = {
+    "environment": {"device": str},
+    "steps": [ROW],
+    "segments?": [{"call": str, "steps": [str], "anchor?": (ROW, None)}],
+}
+
+
 def report(path: Path) -> list[dict]:
     """Redraws the chart of a results json (`<ladder>.json`) beside it and prints its table,
     running nothing: for a chart whose drawing changed, on a machine without the GPU."""
-    if not path.is_file():
-        raise SystemExit(f"ablate.py: report={path}: no such file; give a <ladder>.json result")
+    result = read_json(path, RESULTS, "give report= a <ladder>.json that ablate.py wrote")
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         ladder = compose("ablate", overrides=[f"ladder={path.stem}"]).ladder
-    result = json.loads(path.read_text())
     steps = in_ladder_order(step_plans(ladder), {r["name"]: r for r in result["steps"]})
     chart(ladder, steps, result["environment"], path.with_suffix(".png"))
     table = markdown(ladder, steps, result["environment"], result.get("segments", []))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -48,6 +49,8 @@ from typing import Any
 import numpy as np
 
 from launch.provenance import environment
+from recipe import errors
+from recipe.files import read_json, shape_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +66,26 @@ TITLE = "the fastest configuration against plain bfloat16"
 FIRST_SEED = 1337  # train.seed's default: seed 0 of an arm is the run of the one-seed reports
 ARMS = ("reference", "candidate")
 RESAMPLES = 10_000  # the bootstrap's, without scipy
+
+# What `--report` reads of a report: today's, and a one-seed one of before (`runs`: one per arm).
+NUMBER, MAYBE = float, (float, None)
+RUN = {"command": str, "val_loss": {re.compile(r"\d+"): NUMBER}, "tokens_per_sec?": MAYBE}
+SPREAD = {"mean": NUMBER, "std": MAYBE, "min": NUMBER, "max": NUMBER}
+REPORT = {"workload": str, "tolerance": NUMBER, "title?": str, "jobs?": int, "alpha?": MAYBE,
+          "environment?": {str: object}}  # fmt: skip
+ONE_SEED_REPORT = {**REPORT, "runs": {arm: RUN for arm in ARMS}}
+SEEDS_REPORT = {
+    **REPORT,
+    "runs": {arm: [RUN] for arm in ARMS},
+    "arms": {arm: str for arm in ARMS},
+    "seeds": [(int, None)],
+    "final": {arm: [NUMBER] for arm in ARMS},
+    "spread": {arm: SPREAD for arm in ARMS},
+    "difference": {"delta": NUMBER, "interval": ([NUMBER], None), "test": (str, None)},
+    "verdict": str,
+    "passed": bool,
+    "gap": NUMBER,
+}
 
 
 def run(name: str, stages: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -384,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.report is not None:  # run nothing: the report of a result again
-        result = json.loads(args.report.read_text())
+        result = read_report(args.report)
         args.report.with_suffix(".md").write_text("\n".join(render(result)) + "\n")
         chart(result, args.report.with_suffix(".png"))
         print(f"[quality] {args.report.with_suffix('.md')}, {args.report.with_suffix('.png')}")
@@ -411,6 +434,22 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(0 if passed else 1)
 
 
+def read_report(path: Path) -> dict[str, Any]:
+    """A report's JSON, refused in one line naming the file and what is wrong when it is not one
+    that `--out` wrote (or a one-seed one of before)."""
+    fix = "give a .json that scripts/quality.py --out wrote"
+    result = read_json(path, object, fix)
+    seeds = isinstance(result, dict) and "arms" in result
+    problem = shape_problem(result, SEEDS_REPORT if seeds else ONE_SEED_REPORT)
+    if not problem:
+        arms = result["runs"].values()
+        if any(not run["val_loss"] for arm in arms for run in (arm if seeds else [arm])):
+            problem = "a run has an empty val_loss"
+    if problem:
+        raise errors.Unusable(f"{path}: {problem}; {fix}")
+    return result
+
+
 def candidates(args: argparse.Namespace) -> dict[str, tuple[Path, str, str]]:
     """{arm: (out, candidate stages, title)}: one candidate is the arm `candidate`; several are
     named by their reports (`--out q_lowbit` runs as `q_lowbit-seed1337`)."""
@@ -423,4 +462,4 @@ def candidates(args: argparse.Namespace) -> dict[str, tuple[Path, str, str]]:
 
 
 if __name__ == "__main__":
-    main()
+    errors.main(main)  # bad input in one line (recipe/errors.py)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -335,3 +336,38 @@ def test_a_failed_step_is_reported_by_its_exception_not_by_what_follows_it() -> 
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 12.28 GiB."
     )
     assert ablate.failure_reason("one\n\nKilled\n") == "one | Killed"  # no exception named
+
+
+def _results_with(**changes: object) -> str:
+    """The shipped memory_xl results json with some of its top-level keys changed."""
+    result = json.loads((ROOT / "docs/results/nvidia-h100-80gb-hbm3/memory_xl.json").read_text())
+    return json.dumps({**result, **changes})
+
+
+@pytest.mark.parametrize(
+    ("content", "line"),
+    [
+        ('{"steps": [{"name": "baseline", "sta', r"not JSON \(Unterminated string"),
+        ('[{"name": "baseline"}]', r"the file is not an object"),
+        (_results_with(environment={"gpus": 1}), r"environment has no 'device'"),
+        (_results_with(steps=[{"name": "baseline", "what": ""}]), r"steps\[0\] has no 'status'"),
+        (
+            _results_with(steps=[{"name": "x", "what": "", "status": "ok", "mfu": "40%"}]),
+            r"steps\[0\].mfu is not a number",
+        ),
+    ],
+    ids=["not JSON", "not an object", "no device", "a row without status", "a text number"],
+)
+def test_a_malformed_report_is_refused_in_one_line(tmp_path, capsys, content, line) -> None:
+    """`report=` of a results json that ablate.py did not write: one line naming the file and
+    what is wrong, exit 2, no chart."""
+    from recipe import errors
+
+    results = tmp_path / "memory_xl.json"
+    results.write_text(content)
+    with pytest.raises(errors.ReportedExit) as exit_:
+        errors.main(lambda: ablate.main([f"report={results}"]))
+    assert exit_.value.code == 2
+    (said,) = capsys.readouterr().err.strip().splitlines()
+    assert re.match(rf"^\S+: error: {results}: {line}.*; give report= a <ladder>.json", said), said
+    assert not results.with_suffix(".png").exists()

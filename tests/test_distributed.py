@@ -297,6 +297,76 @@ def test_sigterm_on_one_rank_checkpoints_and_stops_every_rank(tmp_path) -> None:
     assert summary["step"] == step and 3 <= step < 100000 and not summary["completed"]
 
 
+@pytest.mark.distributed
+def test_a_killed_torchrun_agent_takes_its_trainer_with_it(tmp_path) -> None:
+    """SIGKILL of the agent (the OOM killer, a scheduler's hard kill) forwards no signal: the
+    trainer, in a session of its own, stops on the kernel's SIGTERM instead of training on
+    unseen, says why, saves, and lets go of the run folder's lock."""
+    import fcntl
+
+    run_dir = tmp_path / "orphaned"
+    args = (*TINY, "train.max_steps=100000", "train.log_interval=1", "train.eval_interval=100000",
+            "train.checkpoint_interval=0", "wandb.mode=disabled")  # fmt: skip
+    command = [*torchrun(1), "train.py", *args, f"hydra.run.dir={run_dir}"]
+    log = tmp_path / "output.log"
+    with open(log, "w") as out:
+        agent = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    workers: list[int] = []
+    try:
+        deadline = time.time() + 120
+        while len(_logged_losses(run_dir)) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        workers = descendants(agent.pid)
+        assert workers, "the worker not found"
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        deadline = time.time() + 10
+        while any(map(_running, workers)) and time.time() < deadline:
+            time.sleep(0.1)
+        running = [pid for pid in workers if _running(pid)]
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _stop(agent)
+    output = log.read_text()
+    assert not running, output[-4000:]
+    assert "SIGTERM (the torchrun agent that launched this trainer died): saving" in output
+    with open(run_dir / ".lock") as lock:  # free: a resume may take the folder
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    step = torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"]
+    assert summary["stopped_by"] == "SIGTERM" and summary["step"] == step >= 2
+
+
+def test_a_worker_whose_agent_died_before_it_asked_stops_at_once(monkeypatch) -> None:
+    """The parent-death signal is asked for after start-up: an agent that died before (the
+    worker's parent changed meanwhile) is never signalled, so the worker stops in one line."""
+    from types import SimpleNamespace
+
+    from recipe.errors import Reported
+
+    asked: list[tuple] = []
+    libc = SimpleNamespace(prctl=lambda *args: asked.append(args) or 0)
+    monkeypatch.setattr(distributed.ctypes, "CDLL", lambda *args, **kwargs: libc)
+    monkeypatch.setattr(distributed, "_launcher_pid", None)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    parents = iter([4242, 1])  # the agent, then init's adoption
+    monkeypatch.setattr(distributed.os, "getppid", lambda: next(parents))
+    with pytest.raises(Reported, match="the torchrun agent that launched this trainer is gone"):
+        distributed.init("cpu")
+    assert asked == [(distributed.PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)]
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs (an exited one nobody has reaped yet does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _logged_losses(run_dir: Path) -> list:
     path = run_dir / "metrics.jsonl"
     return logged(run_dir, "train/loss") if path.exists() else []

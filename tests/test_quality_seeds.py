@@ -273,3 +273,53 @@ def test_jobs_below_one_are_refused(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         quality.parse_args(["--out", "q", "--jobs", "0"])
     assert exit_.value.code == 2 and "--jobs 0" in capsys.readouterr().err
+
+
+def _edited(report: str, *keys: str | int, to: object = ...) -> str:
+    """A shipped report's JSON with one nested key (`keys`: its path) set `to` a value, or
+    removed."""
+    result = json.loads((ROOT / "docs/results/nvidia-h100-80gb-hbm3" / report).read_text())
+    *path, last = keys
+    inner = result
+    for key in path:
+        inner = inner[key]
+    if to is ...:
+        del inner[last]
+    else:
+        inner[last] = to
+    return json.dumps(result)
+
+
+@pytest.mark.parametrize(
+    ("content", "line"),
+    [
+        ('{"runs": {"reference', r"not JSON \(Unterminated string"),
+        ("[5.08, 5.09]", r"the file is not an object"),
+        (
+            _edited("quality.json", "runs", "candidate", "command"),
+            r"runs.candidate has no .command.",
+        ),
+        (_edited("quality_lowbit.json", "spread", "candidate"), r"spread has no 'candidate'"),
+        (
+            _edited("quality_lowbit.json", "runs", "reference", 0, "val_loss", "300", to="5.1"),
+            r"runs.reference\[0\].val_loss.300 is not a number",
+        ),
+    ],
+    ids=["not JSON", "not an object", "a run without command", "a spread missing", "a text loss"],
+)
+def test_a_malformed_report_is_refused_in_one_line(tmp_path, content, line) -> None:
+    """`--report` of a file that is not a report quality.py wrote: one line naming the file and
+    what is wrong, exit 2, and nothing written beside it."""
+    import os
+    import re
+
+    report = tmp_path / "q.json"
+    report.write_text(content)
+    done = subprocess.run(
+        [python(), "scripts/quality.py", "--report", str(report)], cwd=ROOT, capture_output=True,
+        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (said,) = done.stderr.strip().splitlines()
+    assert re.match(rf"^quality.py: error: {report}: {line}.*; give a .json that", said), said
+    assert not report.with_suffix(".md").exists() and not report.with_suffix(".png").exists()

@@ -9,6 +9,7 @@ import copy
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def test_consecutive_bad_steps_stop_the_run_and_keep_the_last_good_checkpoint(
 
 
 def test_a_huge_learning_rate_ends_with_an_error_not_with_nan_checkpoints(tmp_path) -> None:
-    with pytest.raises((NonFiniteSteps, RuntimeError), match="train.lr"):
+    with pytest.raises(errors.Reported, match="train.lr"):  # the guard, or a save refused
         tiny_run(tmp_path, "train.lr=1e3", "train.min_lr=0", "train.max_steps=40",
                  "train.checkpoint_interval=5", "train.max_bad_steps=5", *QUIET)  # fmt: skip
     if (tmp_path / "checkpoint.pt").exists():
@@ -363,13 +364,24 @@ def test_a_second_ctrl_c_during_a_save_is_an_interruption_not_a_full_disk(
     assert (tmp_path / "checkpoint.pt").read_bytes() == good
 
 
-def test_weights_that_are_not_finite_at_a_save_end_the_run_in_one_line(tmp_path) -> None:
+def test_weights_that_are_not_finite_at_a_save_end_the_run_in_one_line(tmp_path, capsys) -> None:
+    """The settings made them (a learning rate, the data, the start): the user's error, exit 2,
+    with what to lower or check."""
     model, optimizer, scaler = _tiny_model_and_optimizer()
     with torch.no_grad():
         next(model.parameters())[0] = float("inf")
-    with pytest.raises(errors.Reported, match=r"^step 3: the weights are not finite, .* none"):
-        checkpoint.save(tmp_path, SINGLE, model, optimizer, scaler, step=3, run_state={})
-    assert not (tmp_path / "checkpoint.pt").exists()
+    with pytest.raises(errors.ReportedExit) as exit_:
+        errors.main(
+            lambda: checkpoint.save(
+                tmp_path, SINGLE, model, optimizer, scaler, step=3, run_state={}
+            )
+        )
+    assert exit_.value.code == 2
+    (said,) = capsys.readouterr().err.strip().splitlines()
+    assert re.match(
+        r"^\S+: error: step 3: the weights are not finite, .* none\)\. Lower train.lr", said
+    )
+    assert "check the data" in said and not (tmp_path / "checkpoint.pt").exists()
 
 
 def test_a_stop_signal_during_the_first_evaluation_stops_the_run_as_any_stop(
