@@ -180,7 +180,7 @@ def _zero_lr_unless(lr: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     step (as for a zero gradient), the step count advances. Once per group and step, and only
     for torchao's update. `lr` is torchao's CPU tensor: read on the host, never copied to the
     GPU, which from pageable memory waits for the GPU: a stall per block under
-    +opt=opt_in_backward (the lowbit row ran 0.88x of `ac` instead of 1.01x, 2026-11-27)."""
+    +opt=opt_in_backward (the lowbit row ran 0.88x of `ac` instead of 1.01x)."""
     return torch.where(bad, 0.0, float(lr))
 
 

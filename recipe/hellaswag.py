@@ -4,7 +4,7 @@ most likely, scored by the three conventions the field reports under these names
 - `acc`, `acc_norm`: as EleutherAI's lm-evaluation-harness scores its `hellaswag` task
   (lm_eval/tasks/hellaswag/utils.py and hellaswag.yaml; lm_eval/api/task.py, ConfigurableTask's
   construct_requests and process_results for `multiple_choice`; lm_eval/api/model.py's
-  _encode_pair; read at commit 4e7e0d47, 2026-08-21). The context is
+  _encode_pair; read at commit 4e7e0d47). The context is
   preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()), each choice
   preprocess(ending), scored as the continuation " " + choice. acc picks the highest summed
   log-likelihood of the continuation's tokens; acc_norm that sum divided by len(choice) in

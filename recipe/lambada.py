@@ -3,7 +3,7 @@ split, as EleutherAI's lm-evaluation-harness scores its `lambada_openai` task
 (lm_eval/tasks/lambada/lambada_openai.yaml: dataset EleutherAI/lambada_openai, config default,
 split test, output_type loglikelihood; lm_eval/api/task.py, ConfigurableTask's construct_requests
 and process_results; lm_eval/models/huggingface.py's greedy check; lm_eval/api/metrics.py's
-`perplexity` aggregation; read at commit 4e7e0d47, 2026-08-21).
+`perplexity` aggregation; read at commit 4e7e0d47).
 
 The context is the passage's words but the last, `text.split(" ")[:-1]` joined by spaces; the
 target is `" " + text.split(" ")[-1]`, tokenized as the harness does (hellaswag.encode_pair).

@@ -108,8 +108,8 @@ NUMBERS = (
     ("gpu_busy", "gpu_busy"),
 )
 # A run diverged when its last logged training loss ends this far above its lowest: its tokens/s
-# then time a broken model, not the step (2026-11-27, H100: bf16 runs that diverged ran 5.5%
-# faster than converged runs of the same command; speed_bf16_cache.md).
+# then time a broken model, not the step (on an H100, bf16 runs that diverged ran 5.5% faster
+# than converged runs of the same command: docs/results/.../speed_bf16_cache.md).
 DIVERGED = 0.10
 
 

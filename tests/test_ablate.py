@@ -128,7 +128,7 @@ def test_multi_process_steps_and_base_stages() -> None:
     strategies = {name: p["strategy"] for name, p in plans.items()}
     assert strategies["one_gpu"] == "single" and strategies["two_nodes"] == "ddp"
     assert strategies["fsdp_pure"] == "fsdp"
-    # Model-level parallelism (issue 22): the model split, at equal tokens a step
+    # Model-level parallelism: the model split, at equal tokens a step
     assert strategies["xl_pp4"] == "pp" and strategies["b4_tp2_fsdp2"] == "tp x fsdp"
     assert strategies["b4_pp2_tp2"] == "pp x tp" and plans["b4_pp2_tp2"]["gpus"] == 4
     assert plans["b4_tp4"]["overrides"] == [

@@ -1,4 +1,4 @@
-"""The checkpoints a long run wants (issue 21): the last N kept (`train.keep_checkpoints`), the
+"""The checkpoints a long run wants: the last N kept (`train.keep_checkpoints`), the
 best by validation loss (`train.keep_best`) readable by the tools, and saves written in the
 background (`train.async_save`) that give the same file, resume exactly and never lose a
 failure."""

@@ -1,4 +1,4 @@
-"""A run folder is read safely, whoever made it (issue 16): a crafted DCP `.metadata` or
+"""A run folder is read safely, whoever made it: a crafted DCP `.metadata` or
 `LATEST` runs no code and leads nowhere else; one checkpoint layout at a time, chosen by its
 step; a damaged checkpoint file is refused by name before anything is written."""
 

@@ -33,7 +33,7 @@ def _train_cli(cache: Path, *overrides: str, **env: str) -> subprocess.Completed
     )  # fmt: skip
 
 
-# issue 18's "Done when" commands, and the other Hydra errors: (overrides, the one line's text).
+# The commands a user mistypes most, and the other Hydra errors: (overrides, the one line's text).
 REFUSED = [
     (["train.max_steps=0"], "train.max_steps must be an integer >= 1, got 0"),
     (["+opt=ac", "opt.ac.mode=ful"], "opt.ac.mode must be one of full, selective, op, got 'ful'"),

@@ -123,7 +123,7 @@ def test_the_step_in_backward_never_waits_for_the_gpu(impl: str) -> None:
     """+opt=lowbit stepped in backward block by block, clipped, with a device skip flag per block
     (the memory_xl lowbit row's optimizer): nothing in backward waits for the GPU. One wait per
     block drains the GPU while the host catches up: a copy of torchao's CPU learning rate to the
-    GPU did that, and GPT-2 XL's lowbit row fell from 1.01x of `ac` to 0.88x (2026-11-27) while
+    GPU did that, and GPT-2 XL's lowbit row fell from 1.01x of `ac` to 0.88x while
     every other test passed."""
     from omegaconf import OmegaConf
 

@@ -1,4 +1,4 @@
-"""HSDP (issue 22's outer data-parallel dimension): `opt.fsdp.replicas=R` arranges the
+"""HSDP (the outer data-parallel dimension): `opt.fsdp.replicas=R` arranges the
 data-parallel processes as R replicas of the model, each sharded by FSDP2 over its own
 processes (a machine's, in a real run), the gradients all-reduced between replicas. On CPUs
 (gloo, float32): 2 replicas x 2 shards on 4 processes, and with +opt=tp or +opt=pp (2 x 2 x 2

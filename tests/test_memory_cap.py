@@ -1,4 +1,4 @@
-"""Capped rows (issue 20): `perf.memory_cap_gib` lets a run use only that much of the GPU, as a
+"""Capped rows: `perf.memory_cap_gib` lets a run use only that much of the GPU, as a
 smaller card would; a ladder step's `memory_cap_gib` reaches its train.py command line and its
 row (json, csv, table); the memory_xl ladder's capped rows compose; on a CPU the cap is recorded
 and does nothing."""

@@ -1,4 +1,4 @@
-"""The memory stages of issue 9 (GPT-2 XL under 20 GiB on one GPU): the optimizer step in
+"""The memory stages (GPT-2 XL under 20 GiB on one GPU): the optimizer step in
 backward, op-level activation checkpointing, CPU offload and low-bit optimizer state. Each is
 exact where it claims the math is unchanged, shows its effect (gradients freed in backward, fewer
 saved bytes, state in host memory or in fewer bits), and refuses what it cannot do."""

@@ -1,4 +1,4 @@
-"""+opt=pp with data parallelism (issue 22): 4 processes as 2 pipelines of 2 ranks, FSDP
+"""+opt=pp with data parallelism: 4 processes as 2 pipelines of 2 ranks, FSDP
 ('+opt=[pp,fsdp]', 1f1b and interleaved) or replicas (+opt=pp alone: FSDP2's replicate) over the
 mesh's dp dimension, each pipeline reading its half of the global batch, give one process's
 losses with that batch over 8 steps, and log the measured bubble; a pp x fsdp checkpoint (a DCP

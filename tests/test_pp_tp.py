@@ -1,4 +1,4 @@
-"""+opt=pp with +opt=tp (issue 22): each pipeline stage's blocks split over a tp group, each tp
+"""+opt=pp with +opt=tp: each pipeline stage's blocks split over a tp group, each tp
 rank's part of the residual stream carried by its own pipeline (a pp x dp x tp mesh, tp
 innermost). On CPUs (gloo, float32, 4 blocks): pp=2 x tp=2 on 4 processes (1f1b; and
 interleaved with the stream and the loss whole on every tp rank, compiled per piece), and

@@ -1,4 +1,4 @@
-"""scripts/quality.py with seeds (issue 21): each arm run with N seeds, interleaved; the spread of
+"""scripts/quality.py with seeds: each arm run with N seeds, interleaved; the spread of
 the final validation loss per arm; Welch's t-test (or a seeded bootstrap without scipy) of the
 difference, its 95% interval, and the verdict against the tolerance."""
 

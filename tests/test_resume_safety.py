@@ -1,4 +1,4 @@
-"""Issue 16, problems 4 to 6: a lowbit run's checkpoint holds plain tensors (the tools read it
+"""A lowbit run's checkpoint holds plain tensors (the tools read it
 without torchao) and resumes across an optimizer change; `model.pretrained` refuses weights that
 do not fit their config; a resume on a changed corpus is refused before any work."""
 

@@ -1,4 +1,4 @@
-"""Issue 16, problems 7, 9, 10, 11: a signalled sweep stops as a whole; a live preparation's
+"""A signalled sweep stops as a whole; a live preparation's
 temporary folder is kept whatever its process id says; folders that are not ours are not
 overwritten and links planted in a run folder are not followed; and no dead ends (a folder
 without a run in it, bad metrics lines, unquoted commands)."""

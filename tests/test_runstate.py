@@ -1,4 +1,4 @@
-"""The run's state as one object (recipe/runstate.py, issue 18 item 5): a checkpoint written as
+"""The run's state as one object (recipe/runstate.py): a checkpoint written as
 before reads into it and it saves the same keys, its data position follows a change of batch,
 its restore puts the checkpoint back and lets the host copy go, and its checks refuse in one
 line."""

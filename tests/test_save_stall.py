@@ -1,4 +1,4 @@
-"""scripts/save_stall.py (issue 21): how long a save holds the loop, sync against async. The
+"""scripts/save_stall.py: how long a save holds the loop, sync against async. The
 committed GPU result must equal a fresh summary of the runs' metrics kept beside it."""
 
 from __future__ import annotations

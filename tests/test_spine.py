@@ -1,4 +1,4 @@
-"""train() reads as setup, loop, finish (issue 18 item 5): one screenful, no resume or timing
+"""train() reads as setup, loop, finish: one screenful, no resume or timing
 bookkeeping by hand. What it no longer does by hand is done by the parts: the loop meter leaves
 out the work under `paused()` by itself, the saver says which steps save and how long a save
 held the loop, the loss window sums on the device."""

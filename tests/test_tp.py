@@ -1,4 +1,4 @@
-"""+opt=tp (issue 22): tensor parallelism on CPUs (gloo, float32, the tiny model). 2 processes
+"""+opt=tp: tensor parallelism on CPUs (gloo, float32, the tiny model). 2 processes
 with opt.tp.degree=2, 4 with '+opt=[tp,fsdp]' (a 2 x 2 dp x tp mesh) and 4 with +opt=tp alone
 (two tp groups kept in step) give one process's losses with the same global batch; a tp
 checkpoint resumes in one process and back; compile traces the DTensor program without graph
@@ -125,7 +125,7 @@ def assert_holds_the_weights_of(run_dir: Path, reference: Path) -> None:
 def test_tp_by_data_parallel_on_four_processes_matches_one_process(runs, name: str) -> None:
     """A 2 x 2 dp x tp mesh: FSDP shards, or (no fsdp) replicas kept in step, over dp; the
     checkpoint read whole holds the one process's weights (FSDP's shards of the strided QKV
-    were gathered in the wrong row order before 2026-11-26)."""
+    gathered in the wrong row order fail it)."""
     _assert_same_run(runs[name], runs["single"])
     assert_holds_the_weights_of(runs[name], runs["single"])
 
