@@ -17,11 +17,12 @@ Warm start: `cache_dir` is Inductor's on-disk cache (FX graphs, AOTAutograd grap
 kernels, Triton's binaries and tuning). A second launch with the same code, shapes and torch finds
 its graphs there and skips the compilation (summary.json: `compile_s`, `compile_warm`).
 
-Each precision has its own subfolder (`<cache_dir>/bfloat16`): torch 2.11 keys AOTAutograd's
-cached graphs on whether autocast is on, not on its dtype (pytorch/pytorch#181564; 2.13 keys the
-dtype), so a bfloat16 launch after a float16 one can load the float16 graph and train in float16
-with no loss scaler: reproduced on a CPU with torch 2.11, and the likely cause of the speed
-ladder's diverged bf16 rows on an H100 (docs/results/nvidia-h100-80gb-hbm3/speed_bf16_cache.md).
+Each precision has its own subfolder (`<cache_dir>/bfloat16`; torch-workaround(<2.13)): torch 2.11
+keys AOTAutograd's cached graphs on whether autocast is on, not on its dtype
+(pytorch/pytorch#181564; 2.13 keys the dtype), so a bfloat16 launch after a float16 one can load the
+float16 graph and train in float16 with no loss scaler: reproduced on a CPU with torch 2.11, and the
+likely cause of the speed ladder's diverged bf16 rows on an H100
+(docs/results/nvidia-h100-80gb-hbm3/speed_bf16_cache.md).
 
 Only a private cache is used: Inductor and AOTAutograd unpickle its entries and import its
 generated code without any check, so whoever can write the folder runs code in every later

@@ -89,7 +89,8 @@ def check_ddp(cfg: DictConfig) -> None:
 def _buffer_sync(broadcast: bool) -> dict[str, Any]:
     """Whether buffers are re-broadcast from rank 0 before every forward. torch 2.13 renamed
     the argument (`forward_sync_buffers`; the old name warns, and skips the sync at
-    construction too, which for our constant buffer makes no difference)."""
+    construction too, which for our constant buffer makes no difference;
+    torch-workaround(<2.13): the old name only)."""
     name = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
     return {name: broadcast}
 

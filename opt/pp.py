@@ -285,7 +285,8 @@ class Pipeline(nn.Module):
         # Training's schedule and evaluation's (apply_pp says why two).
         (self.schedule, self.eval_schedule), self.config = schedules, config
         # The batch goes to the rank holding the first stage only (the one with embeddings):
-        # torch 2.11 refuses inputs given to a stage that receives them from another rank.
+        # torch 2.11 refuses inputs given to a stage that receives them from another rank
+        # (torch-workaround(<2.13): 2.13 takes them).
         self.holds_first = stages[0].embeddings is not None
         assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
         self.group = dist.mesh["pp"].get_group()
@@ -344,7 +345,8 @@ class Pipeline(nn.Module):
     def _inputs(self, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The schedule's positional inputs on this rank: the batch where the first stage is,
         laid out contiguously (torch 2.11 checks every call's strides against its first's: the
-        loader's batches are views of longer rows, evaluation's padded one is not)."""
+        loader's batches are views of longer rows, evaluation's padded one is not;
+        torch-workaround(<2.13))."""
         return (inputs.contiguous(),) if self.holds_first else ()
 
     def _broadcast(self, loss: torch.Tensor | float | None) -> torch.Tensor:
@@ -414,7 +416,8 @@ def apply_pp(
         """The schedule over this rank's stages, in pipeline wrappers of its own. Training and
         evaluation get one each: torch 2.11's schedules set their wrappers' receive buffers up
         once, at the first call, for that call's mode, so an evaluation first (the loop's step
-        0) left buffers that take no gradient for every training step after it."""
+        0) left buffers that take no gradient for every training step after it
+        (torch-workaround(<2.13))."""
         wrapped = [
             PipelineStage(stage, s, n_stages, dist.device, group=group)
             for stage, s in zip(stages, mine, strict=True)
