@@ -122,8 +122,8 @@ def test_quick_ladder_publishes_and_survives_failed_steps(tmp_path) -> None:
 
 def test_multi_process_steps_and_base_stages() -> None:
     plans = {p["name"]: p for p in ablate.step_plans(_ladder("scaling"))}
-    assert plans["one_gpu"]["stages"] == ["compile", "amp", "fused", "tf32"]
-    assert plans["fsdp"]["stages"] == ["compile", "amp", "fused", "tf32", "fsdp"]
+    base = ["non_blocking", "compile", "amp", "fused", "tf32"]
+    assert plans["one_gpu"]["stages"] == base and plans["fsdp"]["stages"] == [*base, "fsdp"]
     assert (plans["two_nodes"]["gpus"], plans["two_nodes"]["nnodes"]) == (2, 2)
     strategies = {name: p["strategy"] for name, p in plans.items()}
     assert strategies["one_gpu"] == "single" and strategies["two_nodes"] == "ddp"
