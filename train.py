@@ -3,7 +3,8 @@
 
     python train.py                                   # tiny model on the bundled plays
     python train.py model=gpt2 '+opt=[amp,compile]'   # GPT-2 124M, mixed precision, compiled
-    torchrun --standalone --nproc_per_node=4 train.py model=gpt2-large '+opt=[fsdp,amp]'
+    python -m launch.torchrun --standalone --nproc_per_node=4 train.py model=gpt2-large \
+        '+opt=[fsdp,amp]'                             # torchrun whose Ctrl-C exits 0
 """
 
 from __future__ import annotations
