@@ -167,6 +167,20 @@ def test_every_documented_run_is_planned_on_its_process_count(
         planned(processes, *overrides)
 
 
+def test_the_hint_for_an_unclosed_list_suggests_an_override_that_composes() -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from conftest import make_cfg
+    from recipe.errors import hydra_message
+
+    with pytest.raises(OverrideParseException) as e:
+        OverridesParser.create().parse_overrides(["+opt=[amp,compile"])
+    line = hydra_message(e.value)
+    (word,) = shlex.split(line.rsplit(": ", 1)[1])  # the suggestion, as the shell passes it
+    assert sorted(make_cfg(word).opt) == ["amp", "compile"], line
+
+
 def test_the_readme_sweep_example_is_small() -> None:
     sweeps = [c for c in readme_commands((ROOT / "README.md").read_text()) if "train.py -m " in c]
     assert sweeps and all("train.max_steps=" in c for c in sweeps), sweeps
