@@ -58,6 +58,7 @@ from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from opt.custom_op import apply_custom_op
 from recipe import config as recipe_config
+from recipe import errors
 from recipe.distributed import Distributed
 from recipe.errors import ConfigError
 
@@ -185,7 +186,7 @@ def compose(overrides: list[str]) -> tuple[DictConfig, int, float | None]:
         if item.startswith("nproc="):
             nproc = int(item.split("=", 1)[1])
             if nproc < 1:
-                raise ValueError(f"nproc={nproc}: the number of processes, >= 1")
+                raise ConfigError(f"nproc={nproc}: the number of processes, >= 1")
         elif item.startswith("budget="):
             budget = parse_size(item.split("=", 1)[1])
         else:
@@ -200,7 +201,7 @@ def parse_size(text: str) -> float:
     """`22GiB` or `22` (GiB), or `24GB` (10^9 bytes, as cards are sold) -> GiB."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(GiB|GB)?\s*", text)
     if not match:
-        raise ValueError(f"budget={text!r}: give a size in GiB, e.g. budget=22GiB")
+        raise ConfigError(f"budget={text!r}: give a size in GiB, e.g. budget=22GiB")
     value = float(match.group(1))
     return value * 1e9 / GIB if match.group(2) == "GB" else value
 
@@ -633,9 +634,7 @@ def main(argv: list[str]) -> int:
     flags = {a for a in argv if a.startswith("--")}
     unknown = flags - {"--json", "--fit", "--validate"}
     if unknown:
-        raise SystemExit(
-            f"plan_memory.py: unknown flag(s) {sorted(unknown)}: use --json, --fit or --validate"
-        )
+        raise ConfigError(f"unknown flag(s) {sorted(unknown)}: use --json, --fit or --validate")
     overrides = [a for a in argv if not a.startswith("--")]
     if "--validate" in flags:
         table, off = validate()
@@ -646,7 +645,7 @@ def main(argv: list[str]) -> int:
     if "--fit" in flags:
         budget = compose(overrides)[2]
         if budget is None:
-            raise SystemExit("plan_memory.py --fit: give the card's memory, e.g. budget=22GiB")
+            raise ConfigError("--fit: give the card's memory, e.g. budget=22GiB")
         found = fit(budget)
         if not found:
             print(f"no measured configuration is predicted to fit {budget:g} GiB")
@@ -661,12 +660,9 @@ def main(argv: list[str]) -> int:
 
 
 def cli(argv: list[str]) -> int:
-    """main(), a mistake (a bad override, a bad budget) refused in one line, not a traceback."""
-    try:
-        return main(argv)
-    except Exception as e:  # noqa: BLE001 -- a user's mistake in one line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise SystemExit(f"plan_memory.py: {type(e).__name__}: {first}") from None
+    """main(), a mistake (a bad override, a typo, a bad budget) refused in one line as train.py
+    refuses it (recipe/errors.py: the closest key or option), exit 2; not a traceback."""
+    return errors.main(lambda: main(argv), program="plan_memory.py")
 
 
 if __name__ == "__main__":
