@@ -112,11 +112,10 @@ def app(
     return decorate
 
 
-def main(entry: Callable[[], Any], program: str = "") -> Any:
+def main(entry: Callable[[], Any]) -> Any:
     """Runs a plain (not `@app`) program's entry point, its errors reported as described at the
-    top; e.g. `errors.main(lambda: main(sys.argv[1:]))`. `program` names it in the line (default:
-    the file that Python ran)."""
-    program = program or Path(sys.argv[0]).name
+    top; e.g. `errors.main(lambda: main(sys.argv[1:]))`."""
+    program = Path(sys.argv[0]).name
     with _hydra_reports_to(lambda step: _one_line(step, program)):
         return _one_line(entry, program)
 

@@ -99,6 +99,24 @@ def test_fit_lists_the_fastest_fitting_rows_first_with_their_commands(monkeypatc
     assert "lowbit" not in [r["name"] for r in plan_memory.fit(14)]
 
 
+@pytest.mark.parametrize("model, ladder", [("gpt2-xl", "memory_xl"), ("gpt2", "speed")])
+def test_fit_lists_rows_of_the_asked_model_each_key_once(model: str, ladder: str) -> None:
+    found = plan_memory.fit(80, model=model)
+    assert found and {r["ladder"] for r in found} == {ladder}
+    for r in found:
+        words = shlex.split(r["command"])[2:]
+        keys = [w.split("=", 1)[0] for w in words]
+        assert f"model={model}" in words and len(keys) == len(set(keys)), r["command"]
+    # the last of a key's values wins, as Hydra composes them: the prediction is unchanged
+    row = plan_memory.measured_rows(plan_memory.FIT_GPU, ladder)[-1]
+    args = shlex.split(row["command"].split(" & ")[0])
+    skipped = ("hydra.", "wandb.", "+prof")
+    raw = [a for a in args[args.index("train.py") + 1 :] if not a.startswith(skipped)]
+    assert plan_memory.predict_overrides(plan_memory.row_overrides(row)).peak_gib == (
+        pytest.approx(plan_memory.predict_overrides(raw).peak_gib)
+    )
+
+
 def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
     assert plan_memory.parse_size("22GiB") == plan_memory.parse_size("22") == 22
     assert plan_memory.parse_size("24GB") == pytest.approx(22.35, abs=0.01)
@@ -123,7 +141,8 @@ def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
         (["+opt=[pp,fsdp]", "nproc=4"], "+opt=pp is not planned yet"),
     ],
 )
-def test_a_bad_override_is_refused_in_one_line(args: list[str], expected: str) -> None:
+def test_a_bad_override_is_refused_in_one_line(args: list[str], expected: str, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts/plan_memory.py")])  # names the program
     with pytest.raises(SystemExit) as refused:
         plan_memory.cli(args)
     message = str(refused.value)
