@@ -3,7 +3,8 @@
 
     python train.py                                   # tiny model on the bundled plays
     python train.py model=gpt2 '+opt=[amp,compile]'   # GPT-2 124M, mixed precision, compiled
-    torchrun --standalone --nproc_per_node=4 train.py model=gpt2-large '+opt=[fsdp,amp]'
+    python -m launch.torchrun --standalone --nproc_per_node=4 train.py model=gpt2-large \
+        '+opt=[fsdp,amp]'                             # torchrun whose Ctrl-C exits 0
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import data
 import opt
-from launch import torchrun
+from launch import sweep, torchrun
 from model import GPT, GPTConfig
 from recipe import checkpoint, config, distributed, errors, hellaswag, rundir
 from recipe.evaluation import build_loaders, validation
@@ -45,6 +47,13 @@ DROPPED: list[str] = []  # this command line's '~opt=<stage>': a resume drops a 
 def main(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # a sweep's job: its wandb name and group
+        name = default_name(cfg, opt.selected(cfg.opt))
+        named = sweep.job_wandb(
+            cfg.wandb, list(hydra_cfg.overrides.task), name, hydra_cfg.sweep.dir
+        )
+        for key, value in named.items():
+            cfg.wandb[key] = value
     with rundir.removed_on_failure(run_dir):  # a failed launch leaves no empty run folder
         return train(cfg, run_dir, overrides=[*hydra_cfg.overrides.task, *DROPPED])
 
@@ -276,7 +285,11 @@ def perf_args(
 
 def run_name(cfg: DictConfig, plan: opt.Plan) -> str:
     """The run's name on the console and in wandb: `wandb.name`, else the model and stages."""
-    return cfg.wandb.name or f"{cfg.model.name}-{'+'.join(plan.stages) or 'baseline'}"
+    return cfg.wandb.name or default_name(cfg, plan.stages)
+
+
+def default_name(cfg: DictConfig, stages: list[str]) -> str:
+    return f"{cfg.model.name}-{'+'.join(stages) or 'baseline'}"
 
 
 def open_run_folder(

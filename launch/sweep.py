@@ -4,7 +4,8 @@
 the job that was signalled (SIGTERM, Ctrl-C) save its checkpoint and return, then ends the
 process before the next job starts, with 128 + the signal's number (a sweep cut short did not
 succeed) and a line saying where it stopped. `SweepTable` prints the sweep's results at its end:
-one line per job.
+one line per job. `SweepNames` records what the sweep varies, so that each job's wandb run is
+named after it and all of them share one group (`job_wandb`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,44 @@ class SweepTable(Callback):
             print(sweep_table(self.rows, self.jobs), flush=True)
 
 
+# The keys the sweep running in this process varies (SweepNames). Hydra's basic launcher runs
+# the jobs in this process, after `on_multirun_start`: a job reads them from here because the
+# config a callback sees is a copy of the one the job is given.
+SWEPT: list[str] = []
+NAMED_ALREADY = ("model", "opt")  # the default wandb name shows the model and the stages
+
+
+class SweepNames(Callback):
+    """Records the keys a sweep varies (`train.lr=1e-3,3e-3`: train.lr) for `job_wandb`."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        SWEPT[:] = sorted(
+            {o.key_or_group for o in sweep_overrides(config) if o.is_sweep_override()}
+        )
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        SWEPT.clear()
+
+
+def job_wandb(wandb_cfg: DictConfig, overrides: list[str], name: str, sweep_dir: str) -> dict:
+    """The wandb settings of a sweep's job that the command line leaves unset: its name, `name`
+    followed by the value of each key the sweep varies (`tiny-baseline-lr=0.003`: jobs that
+    differ only in train.lr get different names), and one group for all the sweep's jobs, the
+    sweep folder's name. Without them every job of a sweep would share one name and no group."""
+    values = dict(o.lstrip("+~").split("=", 1) for o in overrides if "=" in o)
+    varied = [
+        f"{key.rpartition('.')[2]}={values[key]}"
+        for key in SWEPT
+        if key in values and key not in NAMED_ALREADY
+    ]
+    found: dict[str, str] = {}
+    if wandb_cfg.name is None and varied:
+        found["name"] = "-".join([name, *varied])
+    if wandb_cfg.group is None:
+        found["group"] = Path(sweep_dir).name
+    return found
+
+
 def job_row(num: int, job_return: JobReturn) -> dict[str, Any]:
     """A sweep job's line: its overrides, and from the summary the trainer returned, its final
     validation loss, tokens/s and how it ended."""
@@ -114,10 +153,14 @@ def sweep_table(rows: list[dict[str, Any]], jobs: int) -> str:
     return "\n".join(lines)
 
 
-def sweep_size(config: DictConfig) -> int:
-    """How many jobs Hydra's basic sweeper makes of the sweep's command line."""
+def sweep_overrides(config: DictConfig) -> list[Any]:
+    """The sweep's overrides, parsed: conf's `hydra.sweeper.params`, then the command line's."""
     params = config.hydra.sweeper.get("params") or {}
     arguments = [f"{key}={value}" for key, value in params.items()]
-    overrides = OverridesParser.create().parse_overrides([*arguments, *config.hydra.overrides.task])
-    (jobs,) = BasicSweeper.split_arguments(overrides, max_batch_size=None)
+    return OverridesParser.create().parse_overrides([*arguments, *config.hydra.overrides.task])
+
+
+def sweep_size(config: DictConfig) -> int:
+    """How many jobs Hydra's basic sweeper makes of the sweep's command line."""
+    (jobs,) = BasicSweeper.split_arguments(sweep_overrides(config), max_batch_size=None)
     return len(jobs)

@@ -299,19 +299,22 @@ def shutdown() -> None:
 
 
 def launcher() -> list[str]:
-    """The words that start this run again, for the commands it prints (`continue: ...`): the
-    torchrun that started it, with its process count (from the variables torchrun gives each
-    worker), or `python` for a single process. Across machines the rendezvous endpoint is not
-    known to the workers: the command then names it as a placeholder to fill in."""
+    """The words that start this run again, for the commands it prints (`continue: ...`): torchrun
+    with the process count that started it (from the variables torchrun gives each worker), or
+    `python` for a single process. The torchrun is `python -m launch.torchrun`, whose Ctrl-C or
+    SIGTERM exits 0 once the trainers saved (stock torchrun's ends in a traceback, exit 1), so the
+    printed way to continue is the clean way to stop. Across machines the rendezvous endpoint is
+    not known to the workers: the command then names it as a placeholder to fill in."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
         return ["python"]
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nnodes = max(world // per_node, 1)
+    torchrun = ["python", "-m", "launch.torchrun"]  # launch/torchrun.py
     if nnodes == 1:
-        return ["torchrun", "--standalone", f"--nproc_per_node={per_node}"]
+        return [*torchrun, "--standalone", f"--nproc_per_node={per_node}"]
     return [
-        "torchrun",
+        *torchrun,
         f"--nnodes={nnodes}",
         f"--nproc_per_node={per_node}",
         "--rdzv_backend=c10d",

@@ -185,6 +185,12 @@ def hydra_message(e: Exception) -> str:
 
     if isinstance(e, OverrideParseException):
         key, _, value = e.override.partition("=")
+        closed = _closed(value)
+        if closed != value:  # quoting it would make a list a string: an option no group has
+            return (
+                f"cannot parse the override {e.override!r}: close its list, inside the shell's "
+                f"quotes: '{key}={closed}'"
+            )
         return (
             f"cannot parse the override {e.override!r}: quote the value for Hydra, inside the "
             f"shell's quotes: '{key}=\"{value}\"'"
@@ -205,6 +211,22 @@ def hydra_message(e: Exception) -> str:
     if first and first[0].startswith("Could not append to config."):
         return f"{first[0]} Drop the + to change its value."
     return first[0] if first else type(e).__name__
+
+
+def _closed(value: str) -> str:
+    """`value` with the lists and dicts it leaves open closed (`[amp,compile`: `[amp,compile]`);
+    brackets inside quotes do not count."""
+    pairs, opened, quote = {"[": "]", "{": "}"}, [], ""
+    for char in value:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in pairs:
+            opened.append(pairs[char])
+        elif opened and char == opened[-1]:
+            opened.pop()
+    return value + "".join(reversed(opened))
 
 
 def unknown_key(key: str, known: Iterable[str]) -> str:

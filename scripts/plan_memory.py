@@ -4,6 +4,7 @@ no GPU, no weights, seconds on a CPU.
     python scripts/plan_memory.py model=gpt2-xl train.batch_size=16 '+opt=[amp,ac]' budget=24GiB
     python scripts/plan_memory.py model=gpt2-xl '+opt=[amp,ac]' --json
     python scripts/plan_memory.py --fit budget=22GiB     # the fastest measured rows that fit
+    python scripts/plan_memory.py --fit budget=22GiB model=gpt2-xl   # only that model's rows
     python scripts/plan_memory.py --validate             # docs/results/<gpu>/memory_plan.md
 
 The overrides are train.py's (composed by Hydra exactly as train.py composes them; `nproc=N`
@@ -58,6 +59,7 @@ from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from opt.custom_op import apply_custom_op
 from recipe import config as recipe_config
+from recipe import errors
 from recipe.distributed import Distributed
 from recipe.errors import ConfigError
 
@@ -185,7 +187,7 @@ def compose(overrides: list[str]) -> tuple[DictConfig, int, float | None]:
         if item.startswith("nproc="):
             nproc = int(item.split("=", 1)[1])
             if nproc < 1:
-                raise ValueError(f"nproc={nproc}: the number of processes, >= 1")
+                raise ConfigError(f"nproc={nproc}: the number of processes, >= 1")
         elif item.startswith("budget="):
             budget = parse_size(item.split("=", 1)[1])
         else:
@@ -200,7 +202,7 @@ def parse_size(text: str) -> float:
     """`22GiB` or `22` (GiB), or `24GB` (10^9 bytes, as cards are sold) -> GiB."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(GiB|GB)?\s*", text)
     if not match:
-        raise ValueError(f"budget={text!r}: give a size in GiB, e.g. budget=22GiB")
+        raise ConfigError(f"budget={text!r}: give a size in GiB, e.g. budget=22GiB")
     value = float(match.group(1))
     return value * 1e9 / GIB if match.group(2) == "GB" else value
 
@@ -518,10 +520,13 @@ def predict(cfg: DictConfig, nproc: int = 1) -> Prediction:
 
 def row_overrides(row: dict) -> list[str]:
     """The train.py overrides of a measured ladder row (its command), less the run's folder,
-    wandb's names and profiling, with `nproc=N` for a multi-process row."""
+    wandb's names and profiling, with `nproc=N` for a multi-process row. A key a cumulative
+    ladder set again is given once, its last value (the one Hydra composes)."""
     args = shlex.split(row["command"].split(" & ")[0])
     args = args[args.index("train.py") + 1 :]
     kept = [a for a in args if not a.startswith(("hydra.", "wandb.", "+prof"))]
+    keys = [a.split("=", 1)[0] for a in kept]
+    kept = [a for i, a in enumerate(kept) if keys[i] not in keys[i + 1 :]]
     return kept + ([f"nproc={row['nproc']}"] if row.get("nproc", 1) > 1 else [])
 
 
@@ -594,10 +599,10 @@ def validate() -> tuple[str, int]:
     return "\n".join(lines) + "\n", off
 
 
-def fit(budget_gib: float) -> list[dict]:
+def fit(budget_gib: float, model: str | None = None) -> list[dict]:
     """The measured one-GPU rows of FIT_LADDERS predicted to fit `budget_gib`, per ladder (one
     model each) fastest first by their measured tokens/s, each with its prediction and train.py
-    command."""
+    command; only those of `model` (a conf/model/ name) when given."""
     found = []
     for ladder in FIT_LADDERS:
         for row in measured_rows(FIT_GPU, ladder):
@@ -606,6 +611,8 @@ def fit(budget_gib: float) -> list[dict]:
             if row.get("memory_cap_gib"):  # a candidate measured under a card's limit: the check
                 continue  # of a pick, not another configuration
             overrides = row_overrides(row)
+            if model is not None and f"model={model}" not in overrides:
+                continue
             p = predict_overrides(overrides)
             if p.peak_gib * RESERVED_OVER_ALLOCATED <= budget_gib:
                 command = shlex.join(["python", "train.py", *overrides])
@@ -633,9 +640,7 @@ def main(argv: list[str]) -> int:
     flags = {a for a in argv if a.startswith("--")}
     unknown = flags - {"--json", "--fit", "--validate"}
     if unknown:
-        raise SystemExit(
-            f"plan_memory.py: unknown flag(s) {sorted(unknown)}: use --json, --fit or --validate"
-        )
+        raise ConfigError(f"unknown flag(s) {sorted(unknown)}: use --json, --fit or --validate")
     overrides = [a for a in argv if not a.startswith("--")]
     if "--validate" in flags:
         table, off = validate()
@@ -644,12 +649,16 @@ def main(argv: list[str]) -> int:
         print(table + f"\nwritten to {out.relative_to(ROOT)}")
         return 1 if off else 0
     if "--fit" in flags:
-        budget = compose(overrides)[2]
+        cfg, _, budget = compose(overrides)
         if budget is None:
-            raise SystemExit("plan_memory.py --fit: give the card's memory, e.g. budget=22GiB")
-        found = fit(budget)
+            raise ConfigError("--fit: give the card's memory, e.g. budget=22GiB")
+        model = cfg.model.name if any(o.startswith("model=") for o in overrides) else None
+        found = fit(budget, model)
         if not found:
-            print(f"no measured configuration is predicted to fit {budget:g} GiB")
+            print(
+                f"no measured configuration{f' of model={model}' if model else ''} is predicted "
+                f"to fit {budget:g} GiB"
+            )
         for r in found:
             print(f"{r['tokens_per_sec']:>10,.0f} tokens/s  {r['peak_gib']:6.2f} GiB  "
                   f"{r['ladder']}/{r['name']}\n    {r['command']}")  # fmt: skip
@@ -661,12 +670,9 @@ def main(argv: list[str]) -> int:
 
 
 def cli(argv: list[str]) -> int:
-    """main(), a mistake (a bad override, a bad budget) refused in one line, not a traceback."""
-    try:
-        return main(argv)
-    except Exception as e:  # noqa: BLE001 -- a user's mistake in one line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise SystemExit(f"plan_memory.py: {type(e).__name__}: {first}") from None
+    """main(), a mistake (a bad override, a typo, a bad budget) refused in one line as train.py
+    refuses it (recipe/errors.py: the closest key or option), exit 2; not a traceback."""
+    return errors.main(lambda: main(argv))
 
 
 if __name__ == "__main__":

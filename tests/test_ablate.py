@@ -8,7 +8,9 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -85,6 +87,28 @@ def _harness(tmp_path, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
+
+
+def test_ctrl_c_on_the_harness_ends_in_one_line(tmp_path) -> None:
+    # A terminal's Ctrl-C reaches the harness's process group (its steps run in their own): it
+    # stops the running step and ends in recipe/errors.py's one line, not a traceback.
+    command = [python(), "scripts/ablate.py", "ladder=quick", f"out_dir={tmp_path / 'results'}",
+               f"runs_dir={tmp_path / 'runs'}", "extra=['wandb.mode=disabled']"]  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's recipe, not an installed one
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:  # until the first step is running
+        if line.startswith("[ablate] quick 00 baseline:"):
+            break
+    else:
+        raise AssertionError("the harness ended before its first step")
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert "Traceback" not in out + err, err[-3000:]
+    assert err.strip().splitlines() == ["ablate.py: interrupted"] and proc.returncode == 130
 
 
 @pytest.mark.slow

@@ -46,7 +46,9 @@ def test_a_torchrun_run_continues_with_torchrun_and_its_process_count(
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     command = shlex.split(_continue_line(closing_line(tmp_path / "a b", 1, 2)))
-    assert command[0] == "torchrun" and command[1 : 1 + len(words)] == words
+    # launch.torchrun, not stock torchrun: a Ctrl-C on the printed command exits 0, no traceback.
+    launcher = ["python", "-m", "launch.torchrun"]
+    assert command[:3] == launcher and command[3 : 3 + len(words)] == words
     assert command[command.index("train.py") :] == [
         "train.py", f"hydra.run.dir={tmp_path / 'a b'}", "train.resume=true"
     ]  # fmt: skip
@@ -62,8 +64,8 @@ def test_the_continue_line_of_a_ddp_run_pasted_as_printed_resumes_it(tmp_path) -
     )
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     line = _continue_line(first.stdout)
-    assert line.startswith("torchrun --standalone --nproc_per_node=2 train.py")
-    # The venv's torchrun, as on a user's PATH with the venv active.
+    assert line.startswith("python -m launch.torchrun --standalone --nproc_per_node=2 train.py")
+    # The venv's python, as on a user's PATH with the venv active.
     env = os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     second = subprocess.run(
         line, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
@@ -121,15 +123,17 @@ def test_every_documented_command_quotes_its_hydra_lists_for_zsh(path: Path) -> 
 
 
 def _documented_runs() -> list[tuple[str, int, list[str]]]:
-    """Each documented `python train.py` / `torchrun ... train.py` run that starts a new job
-    (not a sweep, a resume, a placeholder or a continued line): (command, processes,
-    overrides)."""
+    """Each documented `python train.py` / `python -m launch.torchrun ... train.py` run that
+    starts a new job (not a sweep, a resume, a placeholder or a continued line): (command,
+    processes, overrides)."""
     runs = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for command in readme_commands(path.read_text()):
             if "train.py" not in command or command.rstrip().endswith("\\"):  # continued
                 continue
             words = shlex.split(command, comments=True)
+            if words[:3] == ["python", "-m", "launch.torchrun"]:  # torchrun, as documented
+                words = ["torchrun", *words[3:]]
             if "train.py" not in words or words[0] not in ("python", "torchrun"):
                 continue
             skip = ("-m", "--help", "--cfg", "...")
@@ -161,6 +165,20 @@ def test_every_documented_run_is_planned_on_its_process_count(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. float16 on a CPU
         planned(processes, *overrides)
+
+
+def test_the_hint_for_an_unclosed_list_suggests_an_override_that_composes() -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from conftest import make_cfg
+    from recipe.errors import hydra_message
+
+    with pytest.raises(OverrideParseException) as e:
+        OverridesParser.create().parse_overrides(["+opt=[amp,compile"])
+    line = hydra_message(e.value)
+    (word,) = shlex.split(line.rsplit(": ", 1)[1])  # the suggestion, as the shell passes it
+    assert sorted(make_cfg(word).opt) == ["amp", "compile"], line
 
 
 def test_the_readme_sweep_example_is_small() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -98,6 +99,24 @@ def test_fit_lists_the_fastest_fitting_rows_first_with_their_commands(monkeypatc
     assert "lowbit" not in [r["name"] for r in plan_memory.fit(14)]
 
 
+@pytest.mark.parametrize("model, ladder", [("gpt2-xl", "memory_xl"), ("gpt2", "speed")])
+def test_fit_lists_rows_of_the_asked_model_each_key_once(model: str, ladder: str) -> None:
+    found = plan_memory.fit(80, model=model)
+    assert found and {r["ladder"] for r in found} == {ladder}
+    for r in found:
+        words = shlex.split(r["command"])[2:]
+        keys = [w.split("=", 1)[0] for w in words]
+        assert f"model={model}" in words and len(keys) == len(set(keys)), r["command"]
+    # the last of a key's values wins, as Hydra composes them: the prediction is unchanged
+    row = plan_memory.measured_rows(plan_memory.FIT_GPU, ladder)[-1]
+    args = shlex.split(row["command"].split(" & ")[0])
+    skipped = ("hydra.", "wandb.", "+prof")
+    raw = [a for a in args[args.index("train.py") + 1 :] if not a.startswith(skipped)]
+    assert plan_memory.predict_overrides(plan_memory.row_overrides(row)).peak_gib == (
+        pytest.approx(plan_memory.predict_overrides(raw).peak_gib)
+    )
+
+
 def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
     assert plan_memory.parse_size("22GiB") == plan_memory.parse_size("22") == 22
     assert plan_memory.parse_size("24GB") == pytest.approx(22.35, abs=0.01)
@@ -106,7 +125,11 @@ def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["model=nope"], "Could not find 'model/nope'"),
+        (["model=nope"], "model=nope: no such option; choose one of"),
+        # Typos answered as train.py answers them: the closest key or option.
+        (["model=gpt2-xll"], "model=gpt2-xll: no such option (did you mean gpt2-xl?)"),
+        (["modle=gpt2"], "(did you mean model?)"),
+        (["train.bach_size=4"], "train.bach_size is not a setting (did you mean train.batch_size"),
         (["+opt=[amp,ac]", "opt.ac.mode=bogus"], "opt.ac.mode must be one of"),
         (["train.batch_size=0"], "train.batch_size must be"),
         (["budget=lots"], "budget='lots'"),
@@ -118,21 +141,26 @@ def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
         (["+opt=[pp,fsdp]", "nproc=4"], "+opt=pp is not planned yet"),
     ],
 )
-def test_a_bad_override_is_refused_in_one_line(args: list[str], expected: str) -> None:
+def test_a_bad_override_is_refused_in_one_line(args: list[str], expected: str, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts/plan_memory.py")])  # names the program
     with pytest.raises(SystemExit) as refused:
         plan_memory.cli(args)
-    message = str(refused.value.code)
-    assert message.startswith("plan_memory.py") and expected in message
-    assert "\n" not in message
+    message = str(refused.value)
+    assert message.startswith("plan_memory.py: error: ") and expected in message, message
+    assert "\n" not in message and refused.value.code == 2
 
 
-def test_the_command_line_refuses_without_a_traceback() -> None:
+def test_the_command_line_refuses_a_typo_in_one_line_with_a_suggestion() -> None:
     done = subprocess.run(
-        [python(), "scripts/plan_memory.py", "model=nope"],
+        [python(), "scripts/plan_memory.py", "model=gpt2-xll"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's recipe
     )  # fmt: skip
-    assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith("plan_memory.py: ")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(
+        "plan_memory.py: error: model=gpt2-xll: no such option (did you mean gpt2-xl?); choose "
+    )
 
 
 def test_hsdp_shards_over_one_replica() -> None:

@@ -217,13 +217,15 @@ def _group_launch(run_dir, *command: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def _signal_group_at_step(proc: subprocess.Popen, step: int, timeout: float = 240) -> str:
+def _signal_group_at_step(
+    proc: subprocess.Popen, step: int, timeout: float = 240, sig: int = signal.SIGTERM
+) -> str:
     lines, deadline = [], time.time() + timeout
     for line in proc.stdout:
         lines.append(line)
         if f"step {step:>6}/" in line or time.time() > deadline:
             break
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, sig)
     return "".join(lines) + proc.communicate(timeout=120)[0]
 
 
@@ -245,6 +247,22 @@ def test_sigterm_to_a_launcher_group_checkpoints_and_exits_0(tmp_path) -> None:
     out = _signal_group_at_step(proc, 2)
     assert proc.returncode == 0, out[-3000:]
     assert "all 2 trainers saved a checkpoint" in out
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ctrl_c_on_the_printed_torchrun_command_saves_and_exits_0_without_a_traceback(
+    tmp_path,
+) -> None:
+    # The launcher the trainer's `continue:` line prints (recipe/distributed.py's launcher):
+    # stock torchrun would end a Ctrl-C in its SignalException traceback, exit 1.
+    launcher = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc_per_node=1",
+                "train.py"]  # fmt: skip
+    proc = _group_launch(tmp_path, *launcher)
+    out = _signal_group_at_step(proc, 2, sig=signal.SIGINT)  # a terminal's Ctrl-C: the group
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out and "all 1 trainers saved a checkpoint" in out
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] >= 2
 
 

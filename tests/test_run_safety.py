@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_after_training import evaluate_app, export_app, tool_cfg
 
-from conftest import ROOT, TINY, python, tiny_run
+from conftest import ROOT, TINY, python, tiny_run, wandb_run_record
 from recipe import config, errors, rundir
 from recipe.checkpoint import FILENAME
 from tools import sample as sample_app
@@ -57,6 +57,53 @@ def test_sigterm_stops_a_sweep_after_the_running_job_checkpoints(tmp_path) -> No
     assert (tmp_path / "0" / FILENAME).exists()
     summary = json.loads((tmp_path / "0" / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM" and not summary["completed"]
+
+
+@pytest.mark.slow  # two jobs' start-up in one process: ~20 s on 2 shared cores
+def test_a_sweeps_jobs_are_named_by_what_they_vary_in_one_group_and_keep_no_files(
+    tmp_path,
+) -> None:
+    sweep_dir = tmp_path / "lr-sweep"
+    tiny = [o for o in TINY if not o.startswith("sample.")]  # the sweep's own default: none
+    done = subprocess.run(
+        [python(), "train.py", "-m", *tiny, f"hydra.sweep.dir={sweep_dir}", "train.lr=1e-3,3e-3",
+         "train.max_steps=2", "train.eval_interval=2", "train.log_interval=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = [wandb_run_record(sweep_dir / job) for job in ("0", "1")]
+    assert [r.display_name for r in runs] == ["tiny-baseline-lr=0.001", "tiny-baseline-lr=0.003"]
+    assert [r.run_group for r in runs] == ["lr-sweep", "lr-sweep"]
+    for job in ("0", "1"):
+        left = {p.name for p in (sweep_dir / job).iterdir()}
+        assert not left & {FILENAME, "checkpoint.dcp", "checkpoints", "samples.txt"}, left
+        assert "summary.json" in left
+
+
+def test_a_sweep_keeps_the_wandb_name_and_group_the_user_set_and_the_command_line_wins(
+    monkeypatch,
+) -> None:
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from omegaconf import OmegaConf
+
+    from launch import sweep
+
+    monkeypatch.setattr(sweep, "SWEPT", ["opt", "train.lr"])
+    job = ["+opt=[bs]", "train.lr=0.003", "train.seed=1"]
+    unset = OmegaConf.create({"name": None, "group": None})
+    assert sweep.job_wandb(unset, job, "tiny-bs", "multirun/x/sweep") == {
+        "name": "tiny-bs-lr=0.003", "group": "sweep"
+    }  # fmt: skip
+    mine = OmegaConf.create({"name": "mine", "group": "ours"})
+    assert sweep.job_wandb(mine, job, "tiny-bs", "multirun/x/sweep") == {}
+    # conf's hydra.sweeper.params come first: a key the command line gives again takes its value
+    params = OmegaConf.load(ROOT / "conf" / "config.yaml").hydra.sweeper.params
+    assert dict(params) == {"train.checkpoint_interval": 0, "sample.num_samples": 0}
+    config = OmegaConf.create({"hydra": {"sweeper": {"params": params}, "overrides": {
+        "task": ["train.lr=1e-3,3e-3", "train.checkpoint_interval=50"]}}})  # fmt: skip
+    (jobs,) = BasicSweeper.split_arguments(sweep.sweep_overrides(config), max_batch_size=None)
+    assert all("train.checkpoint_interval=50" in j and "sample.num_samples=0" in j for j in jobs)
 
 
 # ---- 9. a live preparation is never taken for a dead one
