@@ -257,3 +257,22 @@ def logged(run_dir: Path, key: str) -> list:
 
 def python() -> str:
     return sys.executable
+
+
+# ---- The loop meter's fakes (recipe.metrics.LoopMeter).
+
+PERF_ARGS = dict(tokens_per_step=128, flops_per_token=1.0, peak_flops=None, world_size=1)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeBatches:
+    """What LoopMeter reads of data.DeviceBatches: the host's total wait for batches."""
+
+    wait_s = 0.0

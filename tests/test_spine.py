@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_perf_metrics import PERF_ARGS, FakeBatches, FakeClock
 
-from conftest import logged, tiny_cfg, tiny_run
+from conftest import PERF_ARGS, FakeBatches, FakeClock, logged, tiny_cfg, tiny_run
 from recipe import checkpoint
 from recipe.distributed import Distributed
 from recipe.metrics import LoopMeter, LossWindow
