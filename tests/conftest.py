@@ -259,6 +259,14 @@ def python() -> str:
     return sys.executable
 
 
+def tool_cfg(name: str, *overrides: str) -> DictConfig:
+    """conf/<name>.yaml composed as `python <tool> <overrides>` would see it (on the CPU, where
+    the tiny runs trained)."""
+    on_cpu = ["device=cpu"] if name in ("sample", "evaluate") else []
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(name, overrides=[*on_cpu, *overrides])
+
+
 # ---- The loop meter's fakes (recipe.metrics.LoopMeter).
 
 PERF_ARGS = dict(tokens_per_step=128, flops_per_token=1.0, peak_flops=None, world_size=1)

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_after_training import tool_cfg
 from test_distributed import _launch
 
 import opt
-from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg
+from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg, tool_cfg
 from launch.torchrun import torchrun
 from model import GPT, GPTConfig
 from opt.pp import bubble, prune, stage_starts
