@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 if TYPE_CHECKING:
     import opt
+    from model import GPT
 
 # Before anything imports `datasets` (it reads these once): tests never reach for the hub.
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -284,3 +285,23 @@ class FakeBatches:
     """What LoopMeter reads of data.DeviceBatches: the host's total wait for batches."""
 
     wait_s = 0.0
+
+
+# ---- The fused head's toy model (opt/custom_op.py).
+
+
+def custom_op_knobs(**overrides) -> DictConfig:
+    """conf/opt/custom_op.yaml's knobs, with `overrides`."""
+    return OmegaConf.merge(OmegaConf.load(CONF / "opt/custom_op.yaml").custom_op, overrides)
+
+
+def toy_gpt(vocab_size: int = 60, **knobs) -> GPT:
+    """A 2-layer GPT whose padded vocabulary (64) has 4 padding rows; fused if knobs are given."""
+    from model import GPT, GPTConfig
+    from opt.custom_op import apply_custom_op
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=vocab_size))
+    if knobs:
+        apply_custom_op(model, custom_op_knobs(**knobs))
+    return model
