@@ -305,3 +305,42 @@ def toy_gpt(vocab_size: int = 60, **knobs) -> GPT:
     if knobs:
         apply_custom_op(model, custom_op_knobs(**knobs))
     return model
+
+
+# ---- scripts/vs_nanogpt.py's results.
+
+
+def vs_nanogpt_config(
+    name: str, side: str, batch: int, bias: bool, math: str | None = None
+) -> dict:
+    """One configuration of scripts/vs_nanogpt.py's results."""
+    variant = {"variant": name.split()[-1]} if side == "ours" else {}
+    return {"name": name, "side": side, "batch": batch, "bias": bias, "math": math,
+            "what": "w", "command": f"python {name}", **variant}  # fmt: skip
+
+
+def fake_vs_nanogpt_result() -> dict:
+    """scripts/vs_nanogpt.py's results: two batches of bench.py, ours plain and fastest at batch
+    64, three rounds; round 3 of ours plain failed."""
+    configs = [
+        vs_nanogpt_config("bench.py b32", "nanogpt", 32, False),
+        vs_nanogpt_config("bench.py b64", "nanogpt", 64, False),
+        vs_nanogpt_config("bench.py b64 bias", "nanogpt", 64, True),
+        vs_nanogpt_config("ours b64 plain", "ours", 64, True),
+        vs_nanogpt_config("ours b64 fastest", "ours", 64, True, "bfloat16 residual stream"),
+    ]
+    tps = {
+        "bench.py b32": [480, 481, 479],
+        "bench.py b64": [495, 494, 496],
+        "bench.py b64 bias": [472, 470, 474],
+        "ours b64 plain": [500, 488, None],
+        "ours b64 fastest": [530, 528, 531],
+    }
+    runs = [
+        {"config": name, "repeat": r + 1, "tokens_per_sec": None if v is None else v * 1e3}
+        for r in range(3)
+        for name, values in tps.items()
+        for v in [values[r]]
+    ]
+    env = {"device": "NVIDIA H100 80GB HBM3", "date": "d", "torch": "2.11", "git_commit": "abc"}
+    return {"environment": env, "configs": configs, "runs": runs, "order": "rounds"}
