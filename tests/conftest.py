@@ -3,11 +3,15 @@ a few tiny training-run settings that take seconds on a CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import struct
+import subprocess
 import sys
+import tempfile
 import time
 import types
 from collections.abc import Iterator, Sequence
@@ -19,6 +23,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+
+from launch.torchrun import descendants, torchrun
 
 if TYPE_CHECKING:
     import opt
@@ -344,3 +350,46 @@ def fake_vs_nanogpt_result() -> dict:
     ]
     env = {"device": "NVIDIA H100 80GB HBM3", "date": "d", "torch": "2.11", "git_commit": "abc"}
     return {"environment": env, "configs": configs, "runs": runs, "order": "rounds"}
+
+
+# ---- torchrun launches (CPU processes, gloo).
+
+# A constant learning rate, so that a run of 2 steps resumed to 4 is the 4-step run.
+RUN_4_STEPS = (
+    "train.max_steps=4", "train.log_interval=1", "train.eval_interval=2", "wandb.mode=disabled",
+    "train.warmup_steps=0", "train.min_lr=${train.lr}",
+)  # fmt: skip
+
+
+def launch_agents(*commands: list[str], timeout: float = 300) -> str:
+    """Runs the commands side by side (one per torchrun agent) from the checkout; returns their
+    output (each must succeed)."""
+    with tempfile.TemporaryDirectory() as logs:
+        agents = []
+        for i, command in enumerate(commands):
+            with open(Path(logs) / f"{i}.log", "w") as log:
+                agents.append(subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log))
+        deadline = time.time() + timeout
+        try:
+            for agent in agents:
+                agent.wait(timeout=max(1.0, deadline - time.time()))
+        finally:
+            for agent in agents:
+                stop_agent(agent)
+        output = "".join((Path(logs) / f"{i}.log").read_text() for i in range(len(agents)))
+    assert all(agent.returncode == 0 for agent in agents), output[-6000:]
+    return output
+
+
+def stop_agent(agent: subprocess.Popen) -> None:
+    """Kills a torchrun agent that is still running, and its workers."""
+    if agent.poll() is None:
+        for pid in [*descendants(agent.pid), agent.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.wait()
+
+
+def torchrun_output(processes: int, *args: str, timeout: float = 600) -> str:
+    """`torchrun --nproc_per_node=<processes> <args>`; its output (it must succeed)."""
+    return launch_agents([*torchrun(processes), *args], timeout=timeout)

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tp import _torchrun
 
-from conftest import TINY, logged, make_cfg, planned, tiny_cfg
+from conftest import TINY, logged, make_cfg, planned, tiny_cfg, torchrun_output
 from opt.pp import ComputeClock
 from recipe import checkpoint
 from train import train
@@ -50,9 +49,9 @@ def layout_runs(root: Path, layouts: Layouts, stopped: str, drop: list[str]) -> 
     for name, (processes, stages) in layouts.items():
         out[name].mkdir()
         args = (*TINY, *RUN, *stages, f"hydra.run.dir={out[name]}")
-        (out[name] / "stdout.txt").write_text(_torchrun(processes, "train.py", *args))
+        (out[name] / "stdout.txt").write_text(torchrun_output(processes, "train.py", *args))
     processes, stages = layouts[stopped]
-    _torchrun(processes, "train.py", *TINY, *RUN, *stages, "train.max_steps=4",
+    torchrun_output(processes, "train.py", *TINY, *RUN, *stages, "train.max_steps=4",
               f"hydra.run.dir={out['on_one']}")  # fmt: skip
     resume_here = ("train.resume=true", "train.max_steps=8", *(f"~opt.{s}" for s in drop), GLOBAL)
     cfg = make_cfg(*TINY, *RUN, *stages, *resume_here)
