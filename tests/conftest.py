@@ -296,7 +296,7 @@ class FakeBatches:
 # ---- The fused head's toy model (opt/custom_op.py).
 
 
-def custom_op_knobs(**overrides) -> DictConfig:
+def custom_op_knobs(**overrides):
     """conf/opt/custom_op.yaml's knobs, with `overrides`."""
     return OmegaConf.merge(OmegaConf.load(CONF / "opt/custom_op.yaml").custom_op, overrides)
 
@@ -393,3 +393,68 @@ def stop_agent(agent: subprocess.Popen) -> None:
 def torchrun_output(processes: int, *args: str, timeout: float = 600) -> str:
     """`torchrun --nproc_per_node=<processes> <args>`; its output (it must succeed)."""
     return launch_agents([*torchrun(processes), *args], timeout=timeout)
+
+
+# ---- Multi-process layouts judged against one process (test_pp_dp, test_pp_tp, test_hsdp).
+
+# 4 blocks; a constant learning rate, so that a run stopped at step 4 and resumed is the 8-step
+# run; 8 validation windows: each pipeline evaluates 4 of the one process's 8.
+LAYOUT_RUN = (
+    "model.n_layer=4", "train.max_steps=8", "train.log_interval=1", "train.eval_interval=4",
+    "wandb.mode=disabled", "train.warmup_steps=0", "train.min_lr=${train.lr}",
+    "train.eval_sequences=8",
+)  # fmt: skip
+# The dp ranks reduce gradients in another order than one process: float rounding, amplified a
+# little by Adam in the gradient norm (as in tests/test_tp.py).
+LAYOUT_RTOL = {"train/loss": 1e-5, "val/loss": 1e-5, "train/grad_norm": 1e-3}
+GLOBAL_BATCH = "train.batch_size=8"
+Layouts = dict[str, tuple[int, list[str]]]  # name: (processes, the stages and knobs)
+
+
+def layout_runs(root: Path, layouts: Layouts, stopped: str, drop: list[str]) -> dict[str, Path]:
+    """The runs a multi-process layout is judged by, under `root`: one process with the global
+    batch ("single"); each of `layouts` under torchrun (its console output in stdout.txt); and
+    the layout `stopped` run to step 4, then continued in one process without the stages
+    `drop` ("on_one")."""
+    from train import train
+
+    out = {name: root / name for name in ("single", *layouts, "on_one")}
+    train(
+        tiny_cfg(*LAYOUT_RUN, GLOBAL_BATCH), out["single"],
+        overrides=[*TINY, *LAYOUT_RUN, GLOBAL_BATCH],
+    )  # fmt: skip
+    for name, (processes, stages) in layouts.items():
+        out[name].mkdir()
+        args = (*TINY, *LAYOUT_RUN, *stages, f"hydra.run.dir={out[name]}")
+        (out[name] / "stdout.txt").write_text(torchrun_output(processes, "train.py", *args))
+    processes, stages = layouts[stopped]
+    torchrun_output(processes, "train.py", *TINY, *LAYOUT_RUN, *stages, "train.max_steps=4",
+                    f"hydra.run.dir={out['on_one']}")  # fmt: skip
+    resume_here = (
+        "train.resume=true", "train.max_steps=8", *(f"~opt.{s}" for s in drop), GLOBAL_BATCH,
+    )  # fmt: skip
+    cfg = make_cfg(*TINY, *LAYOUT_RUN, *stages, *resume_here)
+    train(cfg, out["on_one"], overrides=list(resume_here))
+    return out
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    """`run_dir` logged the reference run's losses and gradient norms (within LAYOUT_RTOL)."""
+    for key, rtol in LAYOUT_RTOL.items():
+        ours, theirs = logged(run_dir, key), logged(reference, key)
+        assert len(ours) == len(theirs) > 0, key
+        torch.testing.assert_close(ours, theirs, rtol=rtol, atol=0)
+
+
+def assert_holds_the_weights_of(run_dir: Path, reference: Path) -> None:
+    """`run_dir`'s checkpoint, read whole in one process (sample.py, export), holds the
+    reference run's weights: the fused QKV in GPT-2's row order although each rank held strided
+    slices of it (under FSDP too: slices of slices)."""
+    from recipe import checkpoint
+
+    loaded, _ = checkpoint.load_model(run_dir)
+    one_model, _ = checkpoint.load_model(reference)
+    for name, weight in one_model.state_dict().items():  # weights ~0.02; a wrong row order
+        # would be off by that much. Adam turns the rounding of near-zero gradients (rare
+        # tokens' embedding rows) into up to a tenth of a step's lr (2e-3).
+        torch.testing.assert_close(loaded.state_dict()[name], weight, rtol=1e-4, atol=2e-4)

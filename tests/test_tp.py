@@ -14,8 +14,15 @@ import pytest
 import torch
 
 import opt
-from conftest import TINY, logged, make_cfg, tiny_cfg, tiny_run, torchrun_output
-from recipe import checkpoint
+from conftest import (
+    TINY,
+    assert_holds_the_weights_of,
+    logged,
+    make_cfg,
+    tiny_cfg,
+    tiny_run,
+    torchrun_output,
+)
 from recipe.distributed import Distributed
 from train import train
 
@@ -91,18 +98,6 @@ def test_tp_matches_one_process_and_samples(runs) -> None:
     step = runs["tp"] / "checkpoint.dcp" / (runs["tp"] / "checkpoint.dcp" / "LATEST").read_text()
     assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert_holds_the_weights_of(runs["tp"], runs["single"])
-
-
-def assert_holds_the_weights_of(run_dir: Path, reference: Path) -> None:
-    """`run_dir`'s checkpoint, read whole in one process (sample.py, export), holds the
-    reference run's weights: the fused QKV in GPT-2's row order although each rank held strided
-    slices of it (under FSDP too: slices of slices)."""
-    loaded, _ = checkpoint.load_model(run_dir)
-    one_model, _ = checkpoint.load_model(reference)
-    for name, weight in one_model.state_dict().items():  # weights ~0.02; a wrong row order
-        # would be off by that much. Adam turns the rounding of near-zero gradients (rare
-        # tokens' embedding rows) into up to a tenth of a step's lr (2e-3).
-        torch.testing.assert_close(loaded.state_dict()[name], weight, rtol=1e-4, atol=2e-4)
 
 
 @pytest.mark.slow
