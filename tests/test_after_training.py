@@ -10,11 +10,9 @@ import subprocess
 import pytest
 import torch
 import torch._dynamo
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 from torch._dynamo.utils import counters
 
-from conftest import CONF, ROOT, logged, python, tiny_cfg, tiny_run
+from conftest import ROOT, logged, python, tiny_cfg, tiny_run, tool_cfg
 from data.tokenizer import gpt2_encoding
 from model import GPT
 from recipe import checkpoint
@@ -25,14 +23,6 @@ from tools import sample as sample_app
 from train import train
 
 QUIET = ("wandb.mode=disabled", "train.log_interval=1")
-
-
-def tool_cfg(name: str, *overrides: str) -> DictConfig:
-    """conf/<name>.yaml composed as `python <tool> <overrides>` would see it (on the CPU, where
-    the tiny runs trained)."""
-    on_cpu = ["device=cpu"] if name in ("sample", "evaluate") else []
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(name, overrides=[*on_cpu, *overrides])
 
 
 @pytest.fixture(scope="module")

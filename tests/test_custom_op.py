@@ -15,14 +15,12 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import opt
-from conftest import CONF, ROOT, compiled_against_eager, logged, make_cfg, python, tiny_cfg
+from conftest import ROOT, compiled_against_eager, logged, make_cfg, python, tiny_cfg, toy_gpt
 from kernels import linear_cross_entropy
-from model import GPT, GPTConfig
-from opt.custom_op import apply_custom_op
+from model import GPT
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
 from train import train, train_step
@@ -30,19 +28,6 @@ from train import train, train_step
 CPU = torch.device("cpu")
 SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=CPU)
 OP = torch.ops.gpt2_recipe.linear_cross_entropy.default
-
-
-def _knobs(**overrides):
-    return OmegaConf.merge(OmegaConf.load(CONF / "opt/custom_op.yaml").custom_op, overrides)
-
-
-def _toy(vocab_size: int = 60, **knobs) -> GPT:
-    """A 2-layer GPT whose padded vocabulary (64) has 4 padding rows; fused if knobs are given."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=vocab_size))
-    if knobs:
-        apply_custom_op(model, _knobs(**knobs))
-    return model
 
 
 def _loss_and_grads(model: GPT, idx: torch.Tensor, targets: torch.Tensor, scale: float = 1.0):
@@ -65,8 +50,8 @@ def _plain_head(hidden, weight, targets, vocab_size):
 @pytest.mark.parametrize("chunk_size", [0, 4, 5, 16, 100])  # all, divides 16, does not, = N, > N
 def test_loss_and_every_gradient_equal_the_plain_heads(chunk_size: int) -> None:
     idx, targets = torch.randint(0, 60, (2, 8)), torch.randint(0, 60, (2, 8))
-    plain_loss, plain = _loss_and_grads(_toy(), idx, targets)
-    fused_loss, fused = _loss_and_grads(_toy(chunk_size=chunk_size), idx, targets)
+    plain_loss, plain = _loss_and_grads(toy_gpt(), idx, targets)
+    fused_loss, fused = _loss_and_grads(toy_gpt(chunk_size=chunk_size), idx, targets)
     torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-6, atol=0)
     for name, grad in plain.items():  # the tied weight, and through it every other parameter
         torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=1e-7, msg=name)
@@ -94,7 +79,7 @@ def test_mixed_precision_matches_the_plain_head(dtype: torch.dtype) -> None:
     idx, targets = torch.randint(0, 60, (4, 8)), torch.randint(0, 60, (4, 8))
     scale = 65536.0 if dtype == torch.float16 else 1.0
     results = []
-    for model in (_toy(), _toy(chunk_size=12)):
+    for model in (toy_gpt(), toy_gpt(chunk_size=12)):
         with torch.autocast("cpu", dtype=dtype):
             results.append(_loss_and_grads(model, idx, targets, scale))
     (plain_loss, plain), (fused_loss, fused) = results
@@ -154,7 +139,7 @@ def test_accumulation_gives_the_full_batch_loss_and_gradients() -> None:
     results = []
     for overrides in ([], ["+opt=[custom_op,accum]", "opt.accum.steps=4"]):
         plan = opt.plan(tiny_cfg("train.batch_size=8", *overrides), SINGLE)
-        model = _toy()
+        model = toy_gpt()
         opt.apply_model_stages(model, make_cfg(*overrides).opt, plan, SINGLE)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # gradients only
         scaler = plan.grad_scaler(CPU)
@@ -171,7 +156,7 @@ def test_evaluation_and_sampling_keep_their_paths() -> None:
     """No gradients are computed when none are needed; logits (sampling) come from the plain
     head."""
     idx, targets = torch.randint(0, 60, (2, 8)), torch.randint(0, 60, (2, 8))
-    plain, fused = _toy(), _toy(chunk_size=5)
+    plain, fused = toy_gpt(), toy_gpt(chunk_size=5)
     with torch.no_grad(), _OpCalls() as calls:
         torch.testing.assert_close(fused(idx, targets)[1], plain(idx, targets)[1])
         torch.testing.assert_close(fused(idx)[0], plain(idx)[0])
@@ -202,7 +187,7 @@ class _OpCalls(TorchDispatchMode):
 def test_the_stage_calls_the_operator_and_never_builds_the_full_logits() -> None:
     idx, targets = torch.randint(0, 120, (4, 8)), torch.randint(0, 120, (4, 8))
     full_logits = 4 * 8 * 128  # larger than any other tensor of this toy
-    for model, calls_expected in [(_toy(120), []), (_toy(120, chunk_size=8), [True])]:
+    for model, calls_expected in [(toy_gpt(120), []), (toy_gpt(120, chunk_size=8), [True])]:
         with _OpCalls() as calls:
             model(idx, targets)[1].backward()
         assert calls.with_grads == calls_expected
@@ -233,7 +218,7 @@ def test_compiled_model_is_one_graph_with_the_operator_in_it() -> None:
     torch._dynamo.reset()
     for dtype in (torch.float32, torch.bfloat16):
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            explained = torch._dynamo.explain(_toy(chunk_size=5))(idx, targets)
+            explained = torch._dynamo.explain(toy_gpt(chunk_size=5))(idx, targets)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
         ops = [node.target for node in explained.graphs[0].graph.nodes]
         assert OP in ops
@@ -265,10 +250,10 @@ def test_ddp_reduces_the_fused_gradients(tmp_path) -> None:
     import torch.distributed as dist
 
     idx, targets = torch.randint(0, 60, (2, 8)), torch.randint(0, 60, (2, 8))
-    _, plain = _loss_and_grads(_toy(), idx, targets)
+    _, plain = _loss_and_grads(toy_gpt(), idx, targets)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        model = _toy(chunk_size=5)
+        model = toy_gpt(chunk_size=5)
         ddp = opt.ddp.apply_ddp(model, make_cfg("+opt=ddp").opt.ddp, SINGLE)
         reduced = []
         ddp.register_comm_hook(None, lambda _, bucket: reduced.append(1) or _done(bucket))

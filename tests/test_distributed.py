@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,17 @@ import torch.distributed as torch_dist
 from omegaconf import OmegaConf
 
 import opt
-from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg
+from conftest import (
+    ROOT,
+    RUN_4_STEPS,
+    TINY,
+    launch_agents,
+    logged,
+    make_cfg,
+    stop_agent,
+    tiny_cfg,
+    torchrun_output,
+)
 from launch.torchrun import descendants, torchrun
 from model import GPT, GPTConfig
 from opt.ddp import apply_ddp, default_knobs
@@ -35,44 +44,7 @@ from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
 from train import train, train_step
 
-# A constant learning rate, so that a run of 2 steps resumed to 4 is the 4-step run.
-RUN = (
-    "train.max_steps=4", "train.log_interval=1", "train.eval_interval=2", "wandb.mode=disabled",
-    "train.warmup_steps=0", "train.min_lr=${train.lr}",
-)  # fmt: skip
 CPU = torch.device("cpu")
-
-
-def _launch(*commands: list[str], timeout: float = 300) -> str:
-    """Runs the commands side by side (one per torchrun agent); returns their output."""
-    with tempfile.TemporaryDirectory() as logs:
-        agents = []
-        for i, command in enumerate(commands):
-            with open(Path(logs) / f"{i}.log", "w") as log:
-                agents.append(subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log))
-        deadline = time.time() + timeout
-        try:
-            for agent in agents:
-                agent.wait(timeout=max(1.0, deadline - time.time()))
-        finally:
-            for agent in agents:
-                _stop(agent)
-        output = "".join((Path(logs) / f"{i}.log").read_text() for i in range(len(agents)))
-    assert all(agent.returncode == 0 for agent in agents), output[-6000:]
-    return output
-
-
-def _stop(agent: subprocess.Popen) -> None:
-    """Kills a torchrun agent that is still running, and its workers."""
-    if agent.poll() is None:
-        for pid in [*descendants(agent.pid), agent.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        agent.wait()
-
-
-def _torchrun(script: str, *args: str) -> str:
-    return _launch([*torchrun(2), script, *args])
 
 
 def _free_port() -> int:
@@ -93,7 +65,7 @@ def _metrics(run_dir: Path) -> dict[str, list[float]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("distributed")
-    train(tiny_cfg(*RUN, "train.batch_size=4"), root / "single")
+    train(tiny_cfg(*RUN_4_STEPS, "train.batch_size=4"), root / "single")
     out = {"single": root / "single"}
     launches = [
         # Profiled too (it changes no number): every rank writes its trace.
@@ -104,28 +76,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("fsdp_custom_op", ["+opt=[fsdp,custom_op]", "opt.custom_op.chunk_size=48"]),
     ]
     for name, stages in launches:
-        stdout = _torchrun(
-            "train.py", *TINY, *RUN, "train.batch_size=2", *stages, f"hydra.run.dir={root / name}"
-        )
+        stdout = torchrun_output(2, "train.py", *TINY, *RUN_4_STEPS, "train.batch_size=2", *stages,
+                                 f"hydra.run.dir={root / name}")  # fmt: skip
         (root / name / "stdout.txt").write_text(stdout)
         out[name] = root / name
     # A sharded checkpoint at step 2, resumed to step 4 on 2 processes (FSDP) and on 1.
     resumed, on_one = root / "fsdp_resumed", root / "fsdp_resumed_on_one"
-    fsdp = ("train.py", *TINY, *RUN, "train.batch_size=2", "+opt=fsdp")
-    _torchrun(*fsdp, "train.max_steps=2", f"hydra.run.dir={resumed}")
+    fsdp = ("train.py", *TINY, *RUN_4_STEPS, "train.batch_size=2", "+opt=fsdp")
+    torchrun_output(2, *fsdp, "train.max_steps=2", f"hydra.run.dir={resumed}")
     shutil.copytree(resumed, on_one)
-    _torchrun(*fsdp, "train.max_steps=4", "train.resume=true", f"hydra.run.dir={resumed}")
+    torchrun_output(2, *fsdp, "train.max_steps=4", "train.resume=true", f"hydra.run.dir={resumed}")
     # One process, twice the batch (the same global batch): no FSDP, DCP reshards on load.
     resume_here = ("train.resume=true", "train.max_steps=4", "train.batch_size=4", "~opt.fsdp")
-    train(make_cfg(*TINY, *RUN, "+opt=fsdp", *resume_here), on_one, overrides=list(resume_here))
+    cfg = make_cfg(*TINY, *RUN_4_STEPS, "+opt=fsdp", *resume_here)
+    train(cfg, on_one, overrides=list(resume_here))
     out |= {"fsdp_resumed": resumed, "fsdp_resumed_on_one": on_one}
     # Two "machines" of one process each, meeting at a c10d rendezvous on this host.
     agent = torchrun(
         1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{_free_port()}", rdzv_id=f"test-{os.getpid()}"
     )
-    two_nodes = [*agent, "train.py", *TINY, *RUN, "train.batch_size=2"]
+    two_nodes = [*agent, "train.py", *TINY, *RUN_4_STEPS, "train.batch_size=2"]
     two_nodes.append(f"hydra.run.dir={root / 'two_nodes'}")
-    _launch(two_nodes, two_nodes)
+    launch_agents(two_nodes, two_nodes)
     out["two_nodes"] = root / "two_nodes"
     return out
 
@@ -257,7 +229,7 @@ def _check_probe(out: Path) -> None:
 
 @pytest.mark.distributed
 def test_probe_fsdp_ddp_compile_and_mixed_precision(tmp_path) -> None:
-    _torchrun("tests/distributed_probe.py", str(tmp_path))
+    torchrun_output(2, "tests/distributed_probe.py", str(tmp_path))
     _check_probe(tmp_path)
 
 
@@ -266,7 +238,7 @@ def test_probe_fsdp_ddp_compile_and_mixed_precision(tmp_path) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_probe_on_two_gpus(tmp_path) -> None:
     """The same checks with NCCL and Inductor: compile breaks nothing under DDP and FSDP."""
-    _torchrun("tests/distributed_probe.py", str(tmp_path), "cuda")
+    torchrun_output(2, "tests/distributed_probe.py", str(tmp_path), "cuda")
     _check_probe(tmp_path)
 
 
@@ -289,7 +261,7 @@ def test_sigterm_on_one_rank_checkpoints_and_stops_every_rank(tmp_path) -> None:
         os.kill(rank1[0], signal.SIGTERM)
         output, _ = agent.communicate(timeout=120)
     finally:
-        _stop(agent)
+        stop_agent(agent)
     assert agent.returncode == 0, output[-4000:]
     assert output.count("SIGTERM: saving a checkpoint") == 1  # only rank 1 was signalled
     step = torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"]
@@ -328,7 +300,7 @@ def test_a_killed_torchrun_agent_takes_its_trainer_with_it(tmp_path) -> None:
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        _stop(agent)
+        stop_agent(agent)
     output = log.read_text()
     assert not running, output[-4000:]
     assert "SIGTERM (the torchrun agent that launched this trainer died): saving" in output

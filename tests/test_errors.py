@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 import opt
-from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run
+from conftest import ROOT, RUN_4_STEPS, TINY, make_cfg, python, tiny_cfg, tiny_run, torchrun_output
 from recipe import config, errors
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteSteps
@@ -229,11 +229,9 @@ def test_the_one_process_refusal_says_how_to_drop_the_stage() -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_an_fsdp_run_resumes_in_one_process_without_the_stage(tmp_path) -> None:
-    from test_distributed import RUN, _torchrun
-
     run_dir = tmp_path / "run"
-    _torchrun("train.py", *TINY, *RUN, "train.batch_size=2", "+opt=fsdp", "train.max_steps=2",
-              f"hydra.run.dir={run_dir}")  # fmt: skip
+    torchrun_output(2, "train.py", *TINY, *RUN_4_STEPS, "train.batch_size=2", "+opt=fsdp",
+                    "train.max_steps=2", f"hydra.run.dir={run_dir}")  # fmt: skip
     done = subprocess.run(
         [python(), "train.py", f"hydra.run.dir={run_dir}", "train.resume=true", "~opt=fsdp",
          "train.batch_size=4", "train.max_steps=4"],

@@ -21,10 +21,9 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from test_custom_op import _knobs, _toy  # the same 2-layer GPT and knobs
 
 import opt
-from conftest import ROOT, load_script, logged, python, tiny_cfg
+from conftest import ROOT, custom_op_knobs, load_script, logged, python, tiny_cfg, toy_gpt
 from kernels import library_heads, linear_cross_entropy
 from model import GPT
 from opt.custom_op import check_custom_op
@@ -100,7 +99,7 @@ def test_a_missing_library_is_refused_with_its_pip_line(monkeypatch, backend: st
     _not_installed(monkeypatch, backend)
     package, version, _ = library_heads.LIBRARIES[backend]
     with pytest.raises(ConfigError, match=f"backend={backend}: .*pip install {package}=={version}"):
-        check_custom_op(_knobs(backend=backend))
+        check_custom_op(custom_op_knobs(backend=backend))
 
 
 def test_the_plan_refuses_a_missing_library_before_any_work(monkeypatch) -> None:
@@ -114,22 +113,22 @@ def test_unknown_backend_and_float8_with_a_library_are_refused(fake_libraries) -
     with pytest.raises(ConfigError, match="backend must be one of ours, liger, cce, got 'triton'"):
         opt.plan(tiny_cfg("+opt=custom_op", "opt.custom_op.backend=triton"), SINGLE)
     with pytest.raises(ConfigError, match="float8=true is our kernel's"):
-        check_custom_op(_knobs(backend="liger", float8=True))
-    check_custom_op(_knobs(backend="liger"))  # installed (the fake): accepted
+        check_custom_op(custom_op_knobs(backend="liger", float8=True))
+    check_custom_op(custom_op_knobs(backend="liger"))  # installed (the fake): accepted
 
 
 def test_the_default_backend_is_ours_and_needs_no_library(monkeypatch) -> None:
     for backend in MODULES:
         _not_installed(monkeypatch, backend)
-    assert _knobs().backend == "ours"
-    assert _toy(chunk_size=0).fused_loss.func is linear_cross_entropy
+    assert custom_op_knobs().backend == "ours"
+    assert toy_gpt(chunk_size=0).fused_loss.func is linear_cross_entropy
 
 
 @pytest.mark.parametrize("backend", ["liger", "cce"])
 def test_the_model_loss_reaches_the_chosen_library(fake_libraries, backend: str) -> None:
     """The spy (the fake) is called once per loss, with the real vocabulary's rows of the tied
     weight and the arguments that make it our operator's math."""
-    model = _toy(backend=backend)
+    model = toy_gpt(backend=backend)
     idx, targets = torch.randint(0, 60, (2, 8)), torch.randint(0, 60, (2, 8))
     model(idx, targets)
     assert [name for name, _ in fake_libraries] == [backend]
@@ -167,8 +166,8 @@ def test_a_run_with_the_knob_trains_through_the_library(fake_libraries, tmp_path
 @pytest.mark.parametrize("backend", ["liger", "cce"])
 def test_each_wrapper_gives_the_plain_heads_loss_and_gradients(fake_libraries, backend) -> None:
     idx, targets = torch.randint(0, 60, (2, 8)), torch.randint(0, 60, (2, 8))
-    plain_loss, plain = _loss_and_grads(_toy(), idx, targets)
-    loss, grads = _loss_and_grads(_toy(backend=backend), idx, targets)
+    plain_loss, plain = _loss_and_grads(toy_gpt(), idx, targets)
+    loss, grads = _loss_and_grads(toy_gpt(backend=backend), idx, targets)
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
     for name, grad in plain.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -11,10 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pp_dp import Layouts, _assert_same_run, layout_runs
-from test_tp import assert_holds_the_weights_of
 
-from conftest import planned
+from conftest import Layouts, assert_holds_the_weights_of, assert_same_run, layout_runs, planned
 
 HSDP = ["opt.fsdp.replicas=2", "train.batch_size=2"]  # 4 data-parallel ranks, 8 sequences
 LAYOUTS: Layouts = {
@@ -34,7 +32,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_replicas_of_sharded_models_match_one_process(runs, name: str) -> None:
-    _assert_same_run(runs[name], runs["single"])
+    assert_same_run(runs[name], runs["single"])
     stdout = (runs[name] / "stdout.txt").read_text()
     assert "[opt] fsdp: 2 replicas x 2 shards" in stdout
     assert_holds_the_weights_of(runs[name], runs["single"])
@@ -43,7 +41,7 @@ def test_replicas_of_sharded_models_match_one_process(runs, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_an_hsdp_checkpoint_resumes_in_one_process(runs) -> None:
-    _assert_same_run(runs["on_one"], runs["single"])
+    assert_same_run(runs["on_one"], runs["single"])
 
 
 def test_the_replicas_divide_what_the_model_splitting_stages_leave() -> None:

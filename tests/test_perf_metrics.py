@@ -17,26 +17,11 @@ import torch
 
 import recipe.metrics
 import train as train_module
-from conftest import ROOT, TINY, logged, make_cfg, tiny_run
+from conftest import PERF_ARGS, ROOT, TINY, FakeBatches, FakeClock, logged, make_cfg, tiny_run
 from opt.compile import apply_compile
 from recipe.metrics import LoopMeter, gpu_counters
 
 CPU = torch.device("cpu")
-PERF_ARGS = dict(tokens_per_step=128, flops_per_token=1.0, peak_flops=None, world_size=1)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeBatches:
-    """What LoopMeter reads of data.DeviceBatches: the host's total wait for batches."""
-
-    wait_s = 0.0
 
 
 def _meter(clock: FakeClock, batches: FakeBatches, **kwargs) -> LoopMeter:

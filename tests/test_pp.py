@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_after_training import tool_cfg
-from test_distributed import _launch
 
 import opt
-from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg
+from conftest import ROOT, TINY, launch_agents, logged, make_cfg, tiny_cfg, tool_cfg
 from launch.torchrun import torchrun
 from model import GPT, GPTConfig
 from opt.pp import bubble, prune, stage_starts
@@ -42,7 +40,7 @@ MULTI = Distributed(rank=0, local_rank=0, world_size=2, device=torch.device("cpu
 def _pp(run_dir: Path, *args: str, stages: str = "pp") -> None:
     command = [*torchrun(2), "train.py", *TINY, *RUN, f"+opt=[{stages}]", *args]
     (run_dir.parent / f"{run_dir.name}.log").write_text(
-        _launch([*command, f"hydra.run.dir={run_dir}"])
+        launch_agents([*command, f"hydra.run.dir={run_dir}"])
     )
 
 
@@ -56,7 +54,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # 1f1b: stopped at step 4, resumed on the pipeline (-> 1f1b) and in one process.
     _pp(root / "1f1b", *SCHEDULES["1f1b"], "train.max_steps=4")
     shutil.copytree(root / "1f1b", root / "on_one")
-    _launch([*torchrun(2), "train.py", f"hydra.run.dir={root / '1f1b'}",
+    launch_agents([*torchrun(2), "train.py", f"hydra.run.dir={root / '1f1b'}",
              "train.resume=true", "train.max_steps=8"])  # fmt: skip
     resume_here = ("train.resume=true", "train.max_steps=8", "~opt.pp")
     cfg = make_cfg(*TINY, *RUN, "+opt=pp", *resume_here)

@@ -13,51 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tp import _torchrun
 
-from conftest import TINY, logged, make_cfg, planned, tiny_cfg
+from conftest import assert_same_run, layout_runs, logged, planned
 from opt.pp import ComputeClock
 from recipe import checkpoint
-from train import train
 
-# 4 blocks; a constant learning rate, so that a run stopped at step 4 and resumed is the 8-step
-# run; 8 validation windows: each pipeline evaluates 4 of the one process's 8.
-RUN = (
-    "model.n_layer=4", "train.max_steps=8", "train.log_interval=1", "train.eval_interval=4",
-    "wandb.mode=disabled", "train.warmup_steps=0", "train.min_lr=${train.lr}",
-    "train.eval_sequences=8",
-)  # fmt: skip
-# The dp ranks reduce gradients in another order than one process: float rounding, amplified a
-# little by Adam in the gradient norm (as in tests/test_tp.py).
-RTOL = {"train/loss": 1e-5, "val/loss": 1e-5, "train/grad_norm": 1e-3}
-GLOBAL, PER_PIPELINE = "train.batch_size=8", "train.batch_size=4"
+PER_PIPELINE = "train.batch_size=4"  # each of 2 pipelines: half of conftest's GLOBAL_BATCH
 LAYOUTS = {  # 2 pipelines: each stage FSDP-sharded, or replicated; interleaved: 2 stages a rank
     "fsdp": (4, ["+opt=[pp,fsdp]", PER_PIPELINE]),
     "ddp": (4, ["+opt=pp", PER_PIPELINE]),
     "fsdp_interleaved": (4, ["+opt=[pp,fsdp]", PER_PIPELINE, "opt.pp.schedule=interleaved_1f1b",
                              "opt.pp.stages_per_rank=2"]),
 }  # fmt: skip
-Layouts = dict[str, tuple[int, list[str]]]  # name: (processes, the stages and knobs)
-
-
-def layout_runs(root: Path, layouts: Layouts, stopped: str, drop: list[str]) -> dict[str, Path]:
-    """The runs a multi-process layout is judged by, under `root`: one process with the global
-    batch ("single"); each of `layouts` under torchrun (its console output in stdout.txt); and
-    the layout `stopped` run to step 4, then continued in one process without the stages
-    `drop` ("on_one")."""
-    out = {name: root / name for name in ("single", *layouts, "on_one")}
-    train(tiny_cfg(*RUN, GLOBAL), out["single"], overrides=[*TINY, *RUN, GLOBAL])
-    for name, (processes, stages) in layouts.items():
-        out[name].mkdir()
-        args = (*TINY, *RUN, *stages, f"hydra.run.dir={out[name]}")
-        (out[name] / "stdout.txt").write_text(_torchrun(processes, "train.py", *args))
-    processes, stages = layouts[stopped]
-    _torchrun(processes, "train.py", *TINY, *RUN, *stages, "train.max_steps=4",
-              f"hydra.run.dir={out['on_one']}")  # fmt: skip
-    resume_here = ("train.resume=true", "train.max_steps=8", *(f"~opt.{s}" for s in drop), GLOBAL)
-    cfg = make_cfg(*TINY, *RUN, *stages, *resume_here)
-    train(cfg, out["on_one"], overrides=list(resume_here))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -67,20 +34,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return layout_runs(tmp_path_factory.mktemp("pp_dp"), LAYOUTS, "fsdp", ["pp", "fsdp"])
 
 
-def _assert_same_run(run_dir: Path, reference: Path) -> None:
-    for key, rtol in RTOL.items():
-        ours, theirs = logged(run_dir, key), logged(reference, key)
-        assert len(ours) == len(theirs) > 0, key
-        torch.testing.assert_close(ours, theirs, rtol=rtol, atol=0)
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_two_pipelines_match_one_process(runs, name: str) -> None:
     """The tied embedding/head gradient summed in each pipeline, the norm clipped over pp and
     dp, each pipeline's slice of the batch: the one process's losses and norms."""
-    _assert_same_run(runs[name], runs["single"])
+    assert_same_run(runs[name], runs["single"])
     stdout = (runs[name] / "stdout.txt").read_text()
     assert f"[opt] pp: 2 ranks x {2 if 'interleaved' in name else 1} stage(s)" in stdout
     fsdp = "fsdp" in name
@@ -113,7 +73,7 @@ def test_a_pp_by_fsdp_checkpoint_resumes_in_one_process(runs) -> None:
     and went on as the uninterrupted run."""
     step = runs["fsdp"] / "checkpoint.dcp" / (runs["fsdp"] / "checkpoint.dcp/LATEST").read_text()
     assert len(list(step.glob("*.distcp"))) == 4
-    _assert_same_run(runs["on_one"], runs["single"])
+    assert_same_run(runs["on_one"], runs["single"])
 
 
 def test_several_pipelines_are_planned_with_fsdp_or_replicas() -> None:

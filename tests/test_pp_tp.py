@@ -10,15 +10,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_pp_dp import GLOBAL, Layouts, _assert_same_run, layout_runs
-from test_tp import assert_holds_the_weights_of
+
+from conftest import (
+    GLOBAL_BATCH,
+    Layouts,
+    assert_holds_the_weights_of,
+    assert_same_run,
+    layout_runs,
+)
 
 LAYOUTS: Layouts = {
-    "pp_tp": (4, ["+opt=[pp,tp]", GLOBAL]),
+    "pp_tp": (4, ["+opt=[pp,tp]", GLOBAL_BATCH]),
     # Interleaved (2 stages a rank), the residual stream and the loss whole on every tp rank,
     # and each block, embed and head compiled whole (fullgraph: a graph break fails the run).
     "interleaved_whole_compiled": (4, [
-        "+opt=[pp,tp,compile]", GLOBAL, "opt.pp.schedule=interleaved_1f1b",
+        "+opt=[pp,tp,compile]", GLOBAL_BATCH, "opt.pp.schedule=interleaved_1f1b",
         "opt.pp.stages_per_rank=2", "opt.tp.sequence_parallel=false",
         "opt.tp.loss_parallel=false", "opt.compile.backend=aot_eager",
     ]),
@@ -39,7 +45,7 @@ def test_pipelines_of_tensor_parallel_stages_match_one_process(runs, name: str) 
     """The tied embedding/head gradient summed shard by shard, the norm over pp, tp (and dp),
     the stream's parts sent rank to rank: one process's losses and gradient norms; the
     checkpoint (a DCP shard per rank) read whole holds its weights."""
-    _assert_same_run(runs[name], runs["single"])
+    assert_same_run(runs[name], runs["single"])
     stdout = (runs[name] / "stdout.txt").read_text()
     processes, _ = LAYOUTS[name]
     dp = processes // 4
@@ -57,4 +63,4 @@ def test_a_pp_by_tp_checkpoint_resumes_in_one_process(runs) -> None:
     """Each rank wrote its stage's tp shards at step 4; one process read them whole (the
     strided QKV in GPT-2's rows, the head's copy of the tied weight dropped) and went on as
     the uninterrupted run."""
-    _assert_same_run(runs["on_one"], runs["single"])
+    assert_same_run(runs["on_one"], runs["single"])

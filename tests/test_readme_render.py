@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, fake_vs_nanogpt_result
 
 spec = importlib.util.spec_from_file_location("render_readme", ROOT / "scripts/render_readme.py")
 render_readme = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
@@ -151,11 +151,9 @@ def test_a_row_of_another_call_is_compared_with_the_reference_measured_beside_it
 
 
 def test_vs_nanogpt_renders_the_new_schema(tmp_path: Path) -> None:
-    from test_vs_nanogpt import fake_result
-
     path = tmp_path / "docs/vs_nanogpt.json"
     path.parent.mkdir()
-    path.write_text(json.dumps(fake_result()))
+    path.write_text(json.dumps(fake_vs_nanogpt_result()))
     text = render_readme.render(_marked("vs_nanogpt", "docs/vs_nanogpt.json"), tmp_path)
     assert "Ours at its best (batch 64, biases, plain + custom_op, other math" in text
     assert "| 64 | yes | plain | same (equal work) |" in text

@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-from test_after_training import evaluate_app, export_app, tool_cfg
 
-from conftest import ROOT, TINY, python, tiny_run, wandb_run_record
+from conftest import ROOT, TINY, python, tiny_run, tool_cfg, wandb_run_record
 from recipe import config, errors, rundir
 from recipe.checkpoint import FILENAME
+from tools import evaluate as evaluate_app
+from tools import export_hf as export_app
 from tools import sample as sample_app
 from train import closing_line
 

@@ -1,32 +1,21 @@
-"""train() reads as setup, loop, finish: one screenful, no resume or timing
-bookkeeping by hand. What it no longer does by hand is done by the parts: the loop meter leaves
-out the work under `paused()` by itself, the saver says which steps save and how long a save
-held the loop, the loss window sums on the device."""
+"""What train() leaves to its parts, done by them: the loop meter leaves out the work under
+`paused()` by itself, the saver says which steps save and how long a save held the loop, the loss
+window sums on the device."""
 
 from __future__ import annotations
 
-import inspect
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_perf_metrics import PERF_ARGS, FakeBatches, FakeClock
 
-import train as train_module
-from conftest import logged, tiny_cfg, tiny_run
+from conftest import PERF_ARGS, FakeBatches, FakeClock, logged, tiny_cfg, tiny_run
 from recipe import checkpoint
 from recipe.distributed import Distributed
 from recipe.metrics import LoopMeter, LossWindow
 
 CPU = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-
-
-def test_train_reads_as_setup_loop_finish() -> None:
-    source = inspect.getsource(train_module.train)
-    assert len(source.splitlines()) < 115
-    assert "resumed" not in source  # the run's state is one object (recipe/runstate.py)
-    assert source.count("meter.start()") == 1  # as the loop begins; other work is paused()
 
 
 def test_work_under_paused_is_left_out_of_the_step_times() -> None:

@@ -168,3 +168,41 @@ def test_the_check_sees_an_upward_import_and_a_sys_path_edit(path, source, expec
         assert found == []
     else:
         assert len(found) == 1 and expected in found[0], found
+
+
+def imported_test_modules(path: Path, source: str) -> list[str]:
+    """The test modules that the file imports, lazy imports too, one line each."""
+    where = path.relative_to(ROOT)
+    tree = ast.parse(source, filename=str(path))
+    return [
+        f"{where}:{line}: imports {module}: move what it shares to tests/conftest.py"
+        for line, module in imported(tree, module_name(path))
+        if any(part.startswith("test_") for part in module.split("."))
+    ]
+
+
+def test_no_test_module_imports_another() -> None:
+    """The tests share helpers through one module, tests/conftest.py: no test module imports
+    another (which would also run the imported module's import-time code, and tie the two)."""
+    files = sorted((ROOT / "tests").glob("test_*.py"))
+    assert ROOT / "tests/test_structure.py" in files
+    found = [v for p in files for v in imported_test_modules(p, p.read_text(encoding="utf-8"))]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("from test_tp import torchrun_output\n", "imports test_tp:"),
+        ("def f():\n    from test_distributed import RUN\n", "imports test_distributed:"),
+        ("import tests.test_tp\n", "imports tests.test_tp:"),
+        ("from . import test_tp\n", "imports tests.test_tp:"),
+        ("import pytest\nfrom conftest import ROOT, torchrun_output\n", None),
+    ],
+)
+def test_the_check_sees_a_test_module_imported(source, expected) -> None:
+    found = imported_test_modules(ROOT / "tests/test_x.py", source)
+    if expected is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and expected in found[0], found

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 import opt
-from conftest import ROOT, TINY, logged, make_cfg, tiny_cfg, tiny_run
-from launch.torchrun import torchrun
-from recipe import checkpoint
+from conftest import (
+    TINY,
+    assert_holds_the_weights_of,
+    logged,
+    make_cfg,
+    tiny_cfg,
+    tiny_run,
+    torchrun_output,
+)
 from recipe.distributed import Distributed
 from train import train
 
@@ -36,19 +40,6 @@ RTOL = {"train/loss": 1e-5, "val/loss": 1e-5, "train/grad_norm": 1e-3}
 def _world(size: int) -> Distributed:
     """A world of `size` processes, for planning only (no process group)."""
     return Distributed(rank=0, local_rank=0, world_size=size, device=CPU)
-
-
-def _torchrun(processes: int, *args: str) -> str:
-    """`torchrun --nproc_per_node=<processes> <args>`; its output (it must succeed)."""
-    with tempfile.TemporaryFile("w+") as log:
-        done = subprocess.run(
-            [*torchrun(processes), *args], cwd=ROOT, stdout=log,
-            stderr=subprocess.STDOUT, timeout=600,
-        )  # fmt: skip
-        log.seek(0)
-        output = log.read()
-    assert done.returncode == 0, output[-6000:]
-    return output
 
 
 def _metrics(run_dir: Path) -> dict[str, list[float]]:
@@ -73,13 +64,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     train(tiny_cfg(*RUN, "train.batch_size=4"), out["single"])
     run = ("train.py", *TINY, *RUN, "+opt=tp")
     out["tp"].mkdir()
-    stdout = _torchrun(2, *run, "train.batch_size=4", f"hydra.run.dir={out['tp']}")
+    stdout = torchrun_output(2, *run, "train.batch_size=4", f"hydra.run.dir={out['tp']}")
     (out["tp"] / "stdout.txt").write_text(stdout)
     both = ("train.py", *TINY, *RUN, "+opt=[tp,fsdp]", "train.batch_size=2")
-    _torchrun(4, *both, f"hydra.run.dir={out['tp_fsdp']}")
-    _torchrun(4, *run, "train.batch_size=2", f"hydra.run.dir={out['tp_ddp']}")  # 2 tp groups
+    torchrun_output(4, *both, f"hydra.run.dir={out['tp_fsdp']}")
+    torchrun_output(4, *run, "train.batch_size=2", f"hydra.run.dir={out['tp_ddp']}")  # 2 tp groups
     # tp=2 to step 4, continued in one process (DCP reshards the tp shards on load)
-    _torchrun(2, *run, "train.batch_size=4", "train.max_steps=4", f"hydra.run.dir={root / 'a'}")
+    torchrun_output(
+        2, *run, "train.batch_size=4", "train.max_steps=4", f"hydra.run.dir={root / 'a'}"
+    )
     resume_here = ("train.resume=true", "train.max_steps=8", "~opt.tp")
     on_one = make_cfg(*TINY, *RUN, "+opt=tp", *resume_here)
     shutil.copytree(root / "a", out["tp_on_one"])
@@ -88,8 +81,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tiny_run(out["one_on_tp"], *RUN, "train.batch_size=4", "train.max_steps=4")
     shutil.copytree(out["one_on_tp"], out["one_on_tp_fsdp"])
     resume = ("train.resume=true", "train.max_steps=8", "+opt=tp")
-    _torchrun(2, "train.py", *resume, f"hydra.run.dir={out['one_on_tp']}")
-    _torchrun(4, "train.py", *resume[:2], "+opt=[tp,fsdp]", "train.batch_size=2",
+    torchrun_output(2, "train.py", *resume, f"hydra.run.dir={out['one_on_tp']}")
+    torchrun_output(4, "train.py", *resume[:2], "+opt=[tp,fsdp]", "train.batch_size=2",
               f"hydra.run.dir={out['one_on_tp_fsdp']}")  # fmt: skip
     return out
 
@@ -105,18 +98,6 @@ def test_tp_matches_one_process_and_samples(runs) -> None:
     step = runs["tp"] / "checkpoint.dcp" / (runs["tp"] / "checkpoint.dcp" / "LATEST").read_text()
     assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert_holds_the_weights_of(runs["tp"], runs["single"])
-
-
-def assert_holds_the_weights_of(run_dir: Path, reference: Path) -> None:
-    """`run_dir`'s checkpoint, read whole in one process (sample.py, export), holds the
-    reference run's weights: the fused QKV in GPT-2's row order although each rank held strided
-    slices of it (under FSDP too: slices of slices)."""
-    loaded, _ = checkpoint.load_model(run_dir)
-    one_model, _ = checkpoint.load_model(reference)
-    for name, weight in one_model.state_dict().items():  # weights ~0.02; a wrong row order
-        # would be off by that much. Adam turns the rounding of near-zero gradients (rare
-        # tokens' embedding rows) into up to a tenth of a step's lr (2e-3).
-        torch.testing.assert_close(loaded.state_dict()[name], weight, rtol=1e-4, atol=2e-4)
 
 
 @pytest.mark.slow
@@ -149,7 +130,7 @@ def test_probe_layouts_and_compile(tmp_path) -> None:
     clipping has run, and
     compile (scope model or block, and in fullgraph pieces under FSDP; aot_eager) neither
     breaks the graph nor runs eagerly."""
-    _torchrun(2, "tests/tp_probe.py", str(tmp_path))
+    torchrun_output(2, "tests/tp_probe.py", str(tmp_path))
     found = json.loads((tmp_path / "found.json").read_text())
     assert found.pop("local_fraction") < 0.6  # the matmuls split in two, the norms whole
     # 2 LayerNorms x 2 blocks + ln_f, weights and biases, and the positions: summed before

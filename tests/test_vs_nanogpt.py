@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, fake_vs_nanogpt_result, vs_nanogpt_config
 
 spec = importlib.util.spec_from_file_location("vs_nanogpt", ROOT / "scripts/vs_nanogpt.py")
 vs = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
@@ -62,41 +62,8 @@ def test_only_math_changing_overrides_mark_a_configuration() -> None:
     assert "train.max_steps=30" in argv and "perf.warmup_steps=10" in argv
 
 
-def _config(name: str, side: str, batch: int, bias: bool, math: str | None = None) -> dict:
-    variant = {"variant": name.split()[-1]} if side == "ours" else {}
-    return {"name": name, "side": side, "batch": batch, "bias": bias, "math": math,
-            "what": "w", "command": f"python {name}", **variant}  # fmt: skip
-
-
-def fake_result() -> dict:
-    """Two batches of bench.py, ours plain and fastest at batch 64, three rounds; round 3 of
-    ours plain failed."""
-    configs = [
-        _config("bench.py b32", "nanogpt", 32, False),
-        _config("bench.py b64", "nanogpt", 64, False),
-        _config("bench.py b64 bias", "nanogpt", 64, True),
-        _config("ours b64 plain", "ours", 64, True),
-        _config("ours b64 fastest", "ours", 64, True, "bfloat16 residual stream"),
-    ]
-    tps = {
-        "bench.py b32": [480, 481, 479],
-        "bench.py b64": [495, 494, 496],
-        "bench.py b64 bias": [472, 470, 474],
-        "ours b64 plain": [500, 488, None],
-        "ours b64 fastest": [530, 528, 531],
-    }
-    runs = [
-        {"config": name, "repeat": r + 1, "tokens_per_sec": None if v is None else v * 1e3}
-        for r in range(3)
-        for name, values in tps.items()
-        for v in [values[r]]
-    ]
-    env = {"device": "NVIDIA H100 80GB HBM3", "date": "d", "torch": "2.11", "git_commit": "abc"}
-    return {"environment": env, "configs": configs, "runs": runs, "order": "rounds"}
-
-
 def test_ratios_pair_rounds_and_headlines_pick_each_side_at_its_best() -> None:
-    result = vs.summarize(fake_result())
+    result = vs.summarize(fake_vs_nanogpt_result())
     configs = {c["name"]: c for c in result["configs"]}
     assert configs["ours b64 plain"]["repeats"] == 2  # the failed round is left out
     assert configs["bench.py b64"]["median"] == 495e3
@@ -121,7 +88,7 @@ def test_ratios_pair_rounds_and_headlines_pick_each_side_at_its_best() -> None:
 
 
 def test_markdown_states_batch_biases_math_and_noise() -> None:
-    result = vs.summarize(fake_result())
+    result = vs.summarize(fake_vs_nanogpt_result())
     text = vs.headline(result)
     assert "Ours at its best (batch 64, biases, plain + custom_op, other math: bfloat16" in text
     assert "**1.071x (1.069–1.071, 3 rounds)**" in text
@@ -142,7 +109,7 @@ def test_measure_interleaves_rounds_and_stops_before_the_deadline(tmp_path, monk
     bench.mkdir()
     (bench / "bench.py").write_text("")
     monkeypatch.setattr(vs, "ours_configs", lambda batches, variants: [
-        {**_config(f"ours b{b} {v}", "ours", b, True), "argv": ["python", "train.py"]}
+        {**vs_nanogpt_config(f"ours b{b} {v}", "ours", b, True), "argv": ["python", "train.py"]}
         for b in batches for v in variants
     ])  # fmt: skip
     ran, clock = [], [0.0]
