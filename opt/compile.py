@@ -162,7 +162,7 @@ class Knobs:
 
 def _apply(ctx: Context) -> None:
     # Under FSDP (and offload's FSDP) and pp, in pieces: each block, embed and head.
-    pieces = ctx.plan.sharded(ctx.dist.device) or "pp" in ctx.plan.stages
+    pieces = ctx.plan.fully_sharded or "pp" in ctx.plan.stages
     apply_compile(ctx.model, ctx.knobs, sharded=pieces, amp_dtype=ctx.plan.amp_dtype)
 
 

@@ -85,6 +85,7 @@ def _plan(ctx: Context) -> None:
     """The precision FSDP casts to, and HSDP's replicas (checked against the processes the
     model-splitting stages, planned before, leave to data parallelism)."""
     p = ctx.plan
+    p.fully_sharded = True
     p.pure_low_precision = p.amp_dtype is not None and pure_low_precision(ctx.knobs)
     dp_size = mesh_shape(ctx.dist.world_size, p.pp_degree, p.tp_degree)[1]
     hsdp_shards(dp_size, ctx.knobs.replicas)

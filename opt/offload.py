@@ -35,7 +35,7 @@ import torch.distributed as torch_dist
 from omegaconf import DictConfig, OmegaConf
 
 from opt.fsdp import apply_fsdp
-from opt.stage import Stage
+from opt.stage import Context, Stage
 from recipe.distributed import Distributed, init_process_group, log
 
 
@@ -88,9 +88,15 @@ class Knobs:
     reshard_after_forward: bool
 
 
+def _plan(ctx: Context) -> None:
+    """On a GPU the model is wrapped by FSDP (its CPU offload): the trainer's scaler must know."""
+    ctx.plan.fully_sharded = offloads(ctx.dist.device)
+
+
 STAGE = Stage(
     "offload", "model",
     lambda ctx: apply_offload(ctx.model, ctx.knobs, ctx.dist, ctx.plan.amp_dtype), Knobs,
+    plan=_plan,
     conflicts={
         "fsdp": "offload is FSDP's CPU offload for one process (for several: +opt=fsdp with "
         "opt.fsdp.cpu_offload=true)",

@@ -57,6 +57,11 @@ class Plan:
     optimizer_kwargs: dict = field(default_factory=dict)
     tp_degree: int = 1  # +opt=tp: ranks per tensor-parallel group (Distributed.with_mesh)
     vocab_parallel_loss: bool = False  # +opt=tp's loss_parallel: see loss_context
+    # What the loss's forward and backward run in, a fresh context manager per call: +opt=tp's
+    # `loss_parallel` (the cross-entropy on vocabulary shards), else nothing.
+    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    # FSDP's `fully_shard` wraps the model: +opt=fsdp, or +opt=offload on a GPU (their plans).
+    fully_sharded: bool = False
     tp_sequence_parallel: bool = False  # +opt=tp: the residual stream split over the sequence
     pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
     dp_replicas: int = 1  # +opt=fsdp's replicas: HSDP (Distributed.with_mesh)
@@ -67,27 +72,14 @@ class Plan:
     def micro_batch_size(self) -> int:
         return self.batch_size // self.micro_steps
 
-    def sharded(self, device: torch.device) -> bool:
-        """Whether FSDP's `fully_shard` wraps the model: +opt=fsdp, or +opt=offload on a GPU."""
-        from opt.offload import offloads  # the stage modules import this one
-
-        return "fsdp" in self.stages or ("offload" in self.stages and offloads(device))
-
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         """The loss scaler: a no-op unless float16. Under FSDP each rank checks only its own
         gradient shards for overflow, so the ranks must agree on skipping a step: the
         ShardedGradScaler all-reduces that verdict (it also unscales offloaded gradients).
         So does +opt=tp, whose ranks hold shards of the gradients too."""
-        if self.scale_loss and (self.sharded(device) or "tp" in self.stages):
+        if self.scale_loss and (self.fully_sharded or "tp" in self.stages):
             return ShardedGradScaler(device.type)
         return torch.amp.GradScaler(device.type, enabled=self.scale_loss)
-
-    def loss_context(self) -> contextlib.AbstractContextManager:
-        """What the loss's forward and backward run in: +opt=tp's `loss_parallel()` (the
-        cross-entropy on vocabulary shards), else nothing."""
-        from opt.tp import tp_loss_context
-
-        return tp_loss_context(self.vocab_parallel_loss)
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         """Autocast to the amp dtype; none under FSDP with mixed_precision=pure, whose

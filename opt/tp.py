@@ -20,7 +20,6 @@ so that FSDP and gradient clipping see one kind of parameter. The model returns 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -60,12 +59,6 @@ def check_tp_model(degree: int, config: GPTConfig) -> None:
             f"+opt=tp: the padded vocabulary ({config.padded_vocab_size}) does not split over "
             f"opt.tp.degree={degree} ranks: set model.pad_vocab_to to a multiple of {degree}"
         )
-
-
-def tp_loss_context(on: bool) -> contextlib.AbstractContextManager:
-    """What the loss's forward and backward run in: `loss_parallel()` when it is on (a fresh
-    one each time: a context manager made from a generator runs once)."""
-    return loss_parallel() if on else contextlib.nullcontext()
 
 
 class _StridedColwise(ColwiseParallel):
@@ -248,6 +241,8 @@ def _plan(ctx: Context) -> None:
                       pad_vocab_to=m.pad_vocab_to)  # fmt: skip
     check_tp_model(degree, shape)
     ctx.plan.tp_degree, ctx.plan.vocab_parallel_loss = degree, ctx.knobs.loss_parallel
+    if ctx.knobs.loss_parallel:  # a function: each call a fresh context manager, which runs once
+        ctx.plan.loss_context = loss_parallel
     ctx.plan.tp_sequence_parallel = ctx.knobs.sequence_parallel
 
 

@@ -5,6 +5,7 @@ saved bytes, state in host memory or in fewer bits), and refuses what it cannot 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -387,8 +388,9 @@ def test_offload_on_a_cpu_run_says_it_has_nothing_to_offload(capsys) -> None:
     model = _toy()
     assert opt.apply_model_stages(model, cfg.opt, plan, SINGLE) is model
     assert "offload: nothing to offload on a CPU run" in capsys.readouterr().out
-    assert not torch.distributed.is_initialized() and not plan.sharded(CPU)
-    assert plan.sharded(torch.device("cuda", 0))  # on a GPU: FSDP's hooks (compile in pieces)
+    assert not torch.distributed.is_initialized() and not plan.fully_sharded
+    on_a_gpu = opt.plan(cfg, dataclasses.replace(SINGLE, device=torch.device("cuda", 0)))
+    assert on_a_gpu.fully_sharded  # on a GPU: FSDP's hooks (compile in pieces, a sharded scaler)
 
 
 def test_offload_refuses_other_ways_to_spread_or_shrink() -> None:
