@@ -1182,7 +1182,8 @@ class StopSignal:
         name = self.signal = signal.Signals(signum).name
         # The kernel's SIGTERM when the torchrun agent died (distributed.die_with_launcher): no
         # launcher waits for this trainer any more, and the user should know why it stopped.
-        why = " (the torchrun agent that launched this trainer died)" if launcher_died() else ""
+        died = signum == signal.SIGTERM and launcher_died()  # the kernel's signal is SIGTERM
+        why = " (the torchrun agent that launched this trainer died)" if died else ""
         print(f"\n[train] {name}{why}: saving a checkpoint after this step, then exiting",
               flush=True)  # fmt: skip
 

@@ -9,6 +9,7 @@ import datetime
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -283,10 +284,20 @@ def die_with_launcher() -> None:
         )
 
 
-def launcher_died() -> bool:
+def launcher_died(wait_s: float = 1.0) -> bool:
     """Whether the torchrun agent this worker was set to die with (`die_with_launcher`) has
-    died: this process then belongs to another parent."""
-    return _launcher_pid is not None and os.getppid() != _launcher_pid
+    died: this process then belongs to another parent. The kernel sends the signal when the
+    agent's thread that started this worker exits; when the whole agent is killed, that thread
+    may go before the agent's last one, and until then this process still counts the agent as
+    its parent: so the answer waits up to `wait_s` for the parent to change."""
+    if _launcher_pid is None:
+        return False
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == _launcher_pid:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def shutdown() -> None:

@@ -331,6 +331,19 @@ def test_a_worker_whose_agent_died_before_it_asked_stops_at_once(monkeypatch) ->
     assert asked == [(distributed.PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)]
 
 
+def test_the_agents_death_is_told_when_the_adoption_comes_after_the_signal(monkeypatch) -> None:
+    """The kernel signals when the agent's thread that started the worker exits, which under a
+    kill of the whole agent can come before its last thread goes: the worker still counts the
+    agent as its parent for a moment, and only then is adopted. The stop handler's "the agent
+    died" waits for the adoption; a live agent (the parent never changes) is not reported dead."""
+    monkeypatch.setattr(distributed, "_launcher_pid", 4242)
+    parents = iter([4242, 4242, 4242, 1])  # the agent for three looks, then init's adoption
+    monkeypatch.setattr(distributed.os, "getppid", lambda: next(parents))
+    assert distributed.launcher_died(wait_s=5.0)
+    monkeypatch.setattr(distributed.os, "getppid", lambda: 4242)
+    assert not distributed.launcher_died(wait_s=0.05)
+
+
 def _running(pid: int) -> bool:
     """Whether process `pid` still runs (an exited one nobody has reaped yet does not)."""
     try:
