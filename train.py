@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 import data
 import opt
-from launch import sweep, torchrun
+from launch import torchrun
 from model import GPT, GPTConfig
 from recipe import checkpoint, config, distributed, errors, hellaswag, rundir
 from recipe.evaluation import build_loaders, validation
@@ -48,6 +48,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:  # a sweep's job: its wandb name and group
+        from launch import sweep  # Hydra's sweeper, imported by a sweep's jobs only
+
         name = default_name(cfg, opt.selected(cfg.opt))
         named = sweep.job_wandb(
             cfg.wandb, list(hydra_cfg.overrides.task), name, hydra_cfg.sweep.dir
