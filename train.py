@@ -25,9 +25,10 @@ from omegaconf import DictConfig
 
 import data
 import opt
+import tasks
 from launch import torchrun
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, errors, hellaswag, rundir
+from recipe import checkpoint, config, distributed, errors, rundir
 from recipe.evaluation import build_loaders, validation
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import cap_memory, peak_flops
@@ -160,7 +161,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
         data.prepare(cfg.data)
     dist.host_barrier()
     train_loader, val_loader = build_loaders(cfg, plan, dist, run.samples)
-    hellaswag_items = hellaswag.for_training(cfg.train, cfg.data.cache_dir)  # train.hellaswag
+    zero_shot = tasks.for_training(cfg.train, cfg.data.cache_dir)  # train.hellaswag
     batches = data.DeviceBatches(train_loader, dist.device, plan.loader.non_blocking)
 
     # ---- model, then the model stages in their fixed order (AC -> compile -> DDP/FSDP)
@@ -170,7 +171,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     whole = model.num_params(exclude_positions=False), model.flops_per_token(cfg.model.block_size)
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)  # pp: this rank's stages
     evaluated = train_model if isinstance(train_model, opt.Pipeline) else model  # pp: pipeline
-    validate = functools.partial(validation, evaluated, val_loader, hellaswag_items, plan, dist)
+    validate = functools.partial(validation, evaluated, val_loader, zero_shot, plan, dist)
 
     # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard, the
     # state a resume continues from; then the stages that change when the optimizer steps

@@ -8,14 +8,15 @@ room: the stages import the trainer's plumbing, not the other way round)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol, cast
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from omegaconf import DictConfig
 
 import data
 from model import GPTConfig
-from recipe import distributed, hellaswag
+from recipe import distributed
 
 
 class EvalPlan(Protocol):
@@ -57,23 +58,41 @@ def evaluate(
     return dist.mean(total / count).item()  # every rank holds the same number of sequences
 
 
+class ZeroShotTask(Protocol):
+    """What validation reads of a zero-shot task (tasks/task.py's Task, a room above)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        items: list[dict],
+        *,
+        block_size: int,
+        dist: distributed.Distributed,
+        autocast: contextlib.AbstractContextManager | None = None,
+    ) -> dict[str, Any]: ...
+
+
 def validation(
     model: torch.nn.Module,
     val_loader: torch.utils.data.DataLoader,
-    hellaswag_items: list[dict] | None,
+    zero_shot: Sequence[tuple[ZeroShotTask, list[dict]]],
     plan: EvalPlan,
     dist: distributed.Distributed,
 ) -> dict[str, float | None]:
-    """`val/loss`, and under `train.hellaswag=true` the HellaSwag accuracies (every rank scores
-    its share of the items). `model` is the GPT, or under +opt=pp the pipeline that runs it
-    (no HellaSwag there: opt/pp.py refuses it)."""
+    """`val/loss`, and each zero-shot task's metrics over its items as `val/<task>_<metric>`
+    (`train.hellaswag=true`: HellaSwag's accuracies; every rank scores its share of the items).
+    `model` is the GPT, or under +opt=pp the pipeline that runs it (no zero-shot task there:
+    opt/pp.py refuses HellaSwag)."""
     metrics: dict[str, float | None] = {"val/loss": evaluate(model, val_loader, plan, dist)}
-    if hellaswag_items:
-        scores = hellaswag.evaluate(
-            model, hellaswag_items, block_size=cast(GPTConfig, model.config).block_size, dist=dist,
+    for task, items in zero_shot:
+        scores = task.evaluate(
+            model, items, block_size=cast(GPTConfig, model.config).block_size, dist=dist,
             autocast=plan.autocast(dist.device),
         )  # fmt: skip
-        metrics |= {f"val/hellaswag_{c}": scores[c] for c in hellaswag.CONVENTIONS}
+        metrics |= {f"val/{task.name}_{k}": v for k, v in scores.items() if k != "items"}
     return metrics
 
 

@@ -1,4 +1,4 @@
-"""HellaSwag (recipe/hellaswag.py): on items written here in the dataset's format, the module's
+"""HellaSwag (tasks/hellaswag.py): on items written here in the dataset's format, the module's
 batched scoring picks, item by item, what a plain token-by-token scorer written here picks, for
 each convention (lm-evaluation-harness's acc and acc_norm, build-nanogpt's acc_token_mean), for a
 tiny random GPT and for a Hugging Face GPT-2 folder (scored by transformers itself); tools.evaluate
@@ -21,8 +21,8 @@ from conftest import CONF, ROOT, TINY, logged, tiny_run
 from data.tokenizer import gpt2_encoding
 from launch.torchrun import torchrun
 from model import GPT, GPTConfig
-from recipe import hellaswag
 from recipe.distributed import Distributed
+from tasks import hellaswag
 from tools import evaluate as evaluate_app
 
 CPU = torch.device("cpu")
@@ -171,7 +171,7 @@ def test_tiny_model_scores_as_a_token_by_token_scorer(tiny_gpt, task_file) -> No
     reference = reference_accuracy(lambda idx: tiny_gpt(idx)[0], window=32)
     assert_scored_alike(tiny_gpt, reference, window=32)
     items = hellaswag.load_items(str(task_file), "unused")
-    result = hellaswag.evaluate(tiny_gpt, items, block_size=32, dist=Distributed(0, 0, 1, CPU))
+    result = hellaswag.TASK.evaluate(tiny_gpt, items, block_size=32, dist=Distributed(0, 0, 1, CPU))
     assert result == reference[2] | {"items": len(ITEMS)}
 
 
@@ -179,7 +179,7 @@ def test_hugging_face_folder_scores_as_transformers(hf_dir, hf_reference, task_f
     model = GPT.from_pretrained(hf_dir[0]).eval()
     assert_scored_alike(model, hf_reference, window=64)
     items = hellaswag.load_items(str(task_file), "unused")
-    result = hellaswag.evaluate(model, items, block_size=64, dist=Distributed(0, 0, 1, CPU))
+    result = hellaswag.TASK.evaluate(model, items, block_size=64, dist=Distributed(0, 0, 1, CPU))
     assert result == hf_reference[2] | {"items": len(ITEMS)}
 
 
@@ -224,12 +224,12 @@ def test_ranks_split_the_items_and_sum_to_one_process(tiny_gpt) -> None:
     forwards: list[int] = []
     hook = tiny_gpt.register_forward_hook(lambda *_: forwards.append(1))
     try:
-        alone = hellaswag.correct_counts(tiny_gpt, items, block_size=32, device=CPU)
+        alone = hellaswag.TASK.sums(tiny_gpt, items, block_size=32, device=CPU)
         per_rank = []
         for rank in range(world_size):
             forwards.clear()
             per_rank.append(
-                hellaswag.correct_counts(
+                hellaswag.TASK.sums(
                     tiny_gpt, items, block_size=32, device=CPU, rank=rank, world_size=world_size
                 )
             )

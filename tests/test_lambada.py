@@ -1,4 +1,4 @@
-"""LAMBADA (recipe/lambada.py): on passages written here, the module's batched scoring gives,
+"""LAMBADA (tasks/lambada.py): on passages written here, the module's batched scoring gives,
 passage by passage, what a plain token-by-token scorer written here gives (lm-evaluation-harness's
 lambada_openai: the last word after a space, acc = greedy decoding writes it, ppl = exp of minus
 the mean summed log-likelihood), for a tiny random GPT and for a Hugging Face GPT-2 folder (scored
@@ -7,6 +7,7 @@ sums to the one-process totals; a bad task file is refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -19,8 +20,8 @@ from hydra import compose, initialize_config_dir
 from conftest import CONF
 from data.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig
-from recipe import lambada
 from recipe.distributed import Distributed
+from tasks import Task, lambada
 from tools import evaluate as evaluate_app
 
 CPU = torch.device("cpu")
@@ -126,27 +127,27 @@ def test_tiny_model_scores_as_a_token_by_token_scorer(tiny_gpt, tmp_path) -> Non
     items = passages(logits_of)
     scored, expected = reference(logits_of, items, window=32)
     assert_telling(scored, expected)
-    ours = lambada.scores(tiny_gpt, items, 32, CPU)
-    assert [greedy for greedy, _ in ours] == [all(greedy) for greedy, _ in scored]
+    ours = lambada.scores(tiny_gpt, items, 32, CPU).tolist()
+    assert [bool(greedy) for greedy, _ in ours] == [all(greedy) for greedy, _ in scored]
     assert [ll for _, ll in ours] == pytest.approx([ll for _, ll in scored], rel=1e-5)
     loaded = lambada.load_items(str(write_jsonl(tmp_path / "l.jsonl", items)), "unused")
-    result = lambada.evaluate(tiny_gpt, loaded, block_size=32, dist=Distributed(0, 0, 1, CPU))
+    result = lambada.TASK.evaluate(tiny_gpt, loaded, block_size=32, dist=Distributed(0, 0, 1, CPU))
     assert_scored_alike(result, expected)
 
 
-def test_ranks_split_the_items_and_sum_to_one_process(tiny_gpt, monkeypatch) -> None:
+def test_ranks_split_the_items_and_sum_to_one_process(tiny_gpt) -> None:
     # 6 passages on 4 ranks, one a forward: 2, 2, 1 and 1 each, so ranks 2 and 3 run a spare.
-    monkeypatch.setattr(lambada, "ITEMS_PER_FORWARD", 1)
+    task = dataclasses.replace(lambada.TASK, items_per_forward=1)
     items = [{"text": text} for text in PASSAGES]
     forwards: list[int] = []
     hook = tiny_gpt.register_forward_hook(lambda *_: forwards.append(1))
     try:
-        alone = lambada.sums(tiny_gpt, items, block_size=32, device=CPU)
+        alone = task.sums(tiny_gpt, items, block_size=32, device=CPU)
         per_rank = []
         for rank in range(4):
             forwards.clear()
             per_rank.append(
-                lambada.sums(tiny_gpt, items, block_size=32, device=CPU, rank=rank, world_size=4)
+                task.sums(tiny_gpt, items, block_size=32, device=CPU, rank=rank, world_size=4)
             )
             assert len(forwards) == 2  # FSDP gathers the weights in every forward: as many each
     finally:
@@ -160,17 +161,17 @@ def test_ranks_sums_are_reduced_and_a_tp_group_counted_once(monkeypatch) -> None
     mine = {0: [3.0, -30.0], 1: [1.0, -10.0]}  # each dp rank's greedy count and log-likelihood
     calls = []
 
-    def sums(model, items, *, rank, world_size, **_) -> torch.Tensor:
+    def sums(self, model, items, *, rank, world_size, **_) -> torch.Tensor:
         calls.append((rank, world_size))
         return torch.tensor(mine[rank], dtype=torch.float64)
 
     def all_reduce(t: torch.Tensor) -> None:  # the sum over the 4 ranks: each dp rank twice
         t.copy_(2 * torch.tensor(mine[0]) + 2 * torch.tensor(mine[1]))
 
-    monkeypatch.setattr(lambada, "sums", sums)
+    monkeypatch.setattr(Task, "sums", sums)
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     dist = SimpleNamespace(device=CPU, enabled=True, world_size=4, dp_rank=1, dp_size=2)
-    result = lambada.evaluate(None, [{}] * 8, block_size=8, dist=dist)  # type: ignore[arg-type]
+    result = lambada.TASK.evaluate(None, [{}] * 8, block_size=8, dist=dist)  # type: ignore[arg-type]
     assert calls == [(1, 2)]
     assert result == {"acc": 4 / 8, "ppl": math.exp(40 / 8), "items": 8}
 

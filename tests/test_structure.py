@@ -20,6 +20,7 @@ ROOMS: dict[str, int] = {
     "data": 1,
     "kernels": 1,
     "recipe": 2,  # the trainer's plumbing
+    "tasks": 3,  # the zero-shot evaluation tasks, beside the stages: both use the plumbing
     "opt": 3,  # the stages, which configure the plumbing
     "launch": 4,  # launching: torchrun's commands and stop, the sweep's callbacks, provenance
     "train": 5,  # the programs

@@ -194,23 +194,23 @@ def test_hellaswag_splits_items_by_data_parallel_rank_and_counts_a_tp_group_once
     the world's sum of counts holds each group's twice."""
     from types import SimpleNamespace
 
-    from recipe import hellaswag
+    from tasks import Task, hellaswag
 
     def counts(dp_rank: int) -> torch.Tensor:  # what data-parallel rank dp_rank gets right
         return torch.tensor([3, 2, 1]) if dp_rank == 0 else torch.tensor([1, 1, 1])
 
     calls = []
 
-    def correct_counts(model, items, *, rank, world_size, **_) -> torch.Tensor:
+    def sums(self, model, items, *, rank, world_size, **_) -> torch.Tensor:
         calls.append((rank, world_size))
         return counts(rank)
 
     def all_reduce(t: torch.Tensor) -> None:  # the sum over the 4 ranks: each dp rank twice
         t.copy_(2 * (counts(0) + counts(1)))
 
-    monkeypatch.setattr(hellaswag, "correct_counts", correct_counts)
+    monkeypatch.setattr(Task, "sums", sums)
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     dist = SimpleNamespace(device=CPU, enabled=True, world_size=4, dp_rank=1, dp_size=2)
-    result = hellaswag.evaluate(None, [{}] * 8, block_size=8, dist=dist)  # type: ignore[arg-type]
+    result = hellaswag.TASK.evaluate(None, [{}] * 8, block_size=8, dist=dist)  # type: ignore[arg-type]
     assert calls == [(1, 2)]
     assert [result[c] for c in hellaswag.CONVENTIONS] == [4 / 8, 3 / 8, 2 / 8]

@@ -1,7 +1,7 @@
 """Validation loss and perplexity of a trained model, by the trainer's own evaluation code; or
-its zero-shot HellaSwag accuracy (`task=hellaswag`, recipe/hellaswag.py, as the trainer's
+its zero-shot HellaSwag accuracy (`task=hellaswag`, tasks/hellaswag.py, as the trainer's
 `train.hellaswag=true` scores it), or its LAMBADA accuracy and perplexity (`task=lambada`,
-recipe/lambada.py).
+tasks/lambada.py).
 
     python -m tools.evaluate run=outputs/2026-11-23/10-00-00-1234        # the run's own corpus
     python -m tools.evaluate run=outputs/... data=text data.files='notes/*.txt' out=eval.json
@@ -29,8 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 import data
 import opt
 from model import GPT
-from recipe import config, distributed, errors, hellaswag, lambada
+from recipe import config, distributed, errors
 from recipe.evaluation import build_loaders, evaluate
+from tasks import TASKS
 from tools import loading
 
 config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
@@ -39,7 +40,6 @@ config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
 SPREADING = ("ddp", "fsdp", "pp", "tp")
 # The optimizer's stage changes nothing evaluated (and would need torchao to plan): left out too.
 OPTIMIZER_ONLY = ("lowbit",)
-TASKS = ("val_loss", "hellaswag", "lambada")
 
 
 @errors.app(config_name="evaluate")  # @hydra.main, its errors in one line
@@ -76,8 +76,8 @@ def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
     accuracy and perplexity (and writes them to `out` as JSON)."""
     counts = ("eval_sequences", "block_size", "limit")
     config.check_numbers(cfg, {key: config.count(1, nullable=True) for key in counts})
-    if cfg.task not in TASKS:
-        raise errors.ConfigError(f"task={cfg.task!r}: choose one of {', '.join(TASKS)}")
+    if cfg.task != "val_loss" and cfg.task not in TASKS:
+        raise errors.ConfigError(f"task={cfg.task!r}: choose one of val_loss, {', '.join(TASKS)}")
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise errors.ConfigError(
             "evaluate.py runs as one process: start it with python, not torchrun"
@@ -90,8 +90,8 @@ def evaluate_model(cfg: DictConfig) -> dict[str, Any]:
     dist = distributed.init(run_cfg.device)
     plan = opt.plan(run_cfg, dist)
     model = opt.apply_model_stages(model, run_cfg.opt, plan, dist)  # type: ignore[assignment]
-    task = {"val_loss": val_loss_task, "hellaswag": hellaswag_task, "lambada": lambada_task}
-    result = task[cfg.task](cfg, run_cfg, model, plan, dist) | {
+    task = val_loss_task if cfg.task == "val_loss" else zero_shot_task
+    result = task(cfg, run_cfg, model, plan, dist) | {
         "model": loading.source(cfg),
         "block_size": run_cfg.model.block_size,
         "stages": plan.stages,
@@ -122,37 +122,23 @@ def val_loss_task(
     }
 
 
-def hellaswag_task(
+def zero_shot_task(
     cfg: DictConfig, run_cfg: DictConfig, model: GPT, plan: opt.Plan, dist: distributed.Distributed
 ) -> dict[str, Any]:
-    """HellaSwag's three accuracies (recipe/hellaswag.py) under the run's precision."""
-    items = hellaswag.load_items(cfg.task_file, run_cfg.data.cache_dir, cfg.limit)
-    scores = hellaswag.evaluate(
+    """A zero-shot task's metrics (tasks/: HellaSwag's three accuracies, LAMBADA's accuracy and
+    perplexity) under the run's precision."""
+    task = TASKS[cfg.task]
+    items = task.load_items(cfg.task_file, run_cfg.data.cache_dir, cfg.limit, "task_file")
+    scores = task.evaluate(
         model, items, block_size=run_cfg.model.block_size, dist=dist,
         autocast=plan.autocast(dist.device),
     )  # fmt: skip
+    measured = " | ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "items")
     print(
-        f"[evaluate] hellaswag acc {scores['acc']:.4f} | acc_norm {scores['acc_norm']:.4f} | "
-        f"acc_token_mean {scores['acc_token_mean']:.4f} | {len(items)} items | stages "
+        f"[evaluate] {task.name} {measured} | {len(items)} items | stages "
         f"{'+'.join(plan.stages) or 'none'}"
     )
-    return {f"hellaswag/{k}": v for k, v in scores.items()} | {"task_file": cfg.task_file}
-
-
-def lambada_task(
-    cfg: DictConfig, run_cfg: DictConfig, model: GPT, plan: opt.Plan, dist: distributed.Distributed
-) -> dict[str, Any]:
-    """LAMBADA's last-word accuracy and perplexity (recipe/lambada.py) under the run's precision."""
-    items = lambada.load_items(cfg.task_file, run_cfg.data.cache_dir, cfg.limit)
-    scores = lambada.evaluate(
-        model, items, block_size=run_cfg.model.block_size, dist=dist,
-        autocast=plan.autocast(dist.device),
-    )  # fmt: skip
-    print(
-        f"[evaluate] lambada acc {scores['acc']:.4f} | ppl {scores['ppl']:.2f} | {len(items)} "
-        f"items | stages {'+'.join(plan.stages) or 'none'}"
-    )
-    return {f"lambada/{k}": v for k, v in scores.items()} | {"task_file": cfg.task_file}
+    return {f"{task.name}/{k}": v for k, v in scores.items()} | {"task_file": cfg.task_file}
 
 
 if __name__ == "__main__":

@@ -21,26 +21,23 @@ ranks of a tensor-parallel group score the same items together: counted once).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed
 from omegaconf import DictConfig
 
 from data.tokenizer import gpt2_encoding
-from recipe.distributed import Distributed
-from recipe.errors import ConfigError, MissingFile, Unusable
-from recipe.files import write_text_atomically
+from recipe.errors import ConfigError
+from tasks.jsonl import hub_split_file, read_jsonl, read_task_file
+from tasks.scoring import Pairs, encode_pair, scored_continuations
+from tasks.task import Task
 
 HUB_PATH = "Rowan/hellaswag"  # the dataset lm-evaluation-harness reads, split "validation"
 CONVENTIONS = ("acc", "acc_norm", "acc_token_mean")
 FIELDS = ("activity_label", "ctx_a", "ctx_b", "ctx", "endings", "label")
-Pairs = list[tuple[list[int], list[int]]]  # (context tokens, continuation tokens) per row
 
 
 # ---- the items
@@ -53,22 +50,8 @@ def load_items(
     that named it), or of the hub dataset, saved as a jsonl in `cache_dir` on first use; the
     first `limit` (>= 1) if given."""
     if task_file is None:
-        return read_jsonl(cached_hub_file(cache_dir, key))[:limit]
+        return read_jsonl(cached_hub_file(cache_dir, key), checked)[:limit]
     return read_task_file(task_file, key, "HellaSwag", checked)[:limit]
-
-
-def read_task_file(
-    task_file: str, key: str, task: str, check: Callable[[str, str], dict]
-) -> list[dict]:
-    """The items of a local jsonl, each line checked by `check(line, where)`; refused in one line
-    naming `key` when the file is missing or holds no item."""
-    path = Path(str(task_file)).expanduser()
-    if not path.is_file():
-        raise MissingFile(f"{key}={task_file}: no such file; give a {task} jsonl")
-    items = read_jsonl(path, check)
-    if not items:
-        raise ConfigError(f"{key}={task_file}: no items in it; give a {task} jsonl")
-    return items
 
 
 def cached_hub_file(cache_dir: str, key: str = "task_file") -> Path:
@@ -77,47 +60,6 @@ def cached_hub_file(cache_dir: str, key: str = "task_file") -> Path:
     path = Path(cache_dir).expanduser() / "hellaswag" / "validation.jsonl"
     hint = f"{key}=<HellaSwag's validation jsonl, e.g. hellaswag_val.jsonl of rowanz/hellaswag>"
     return hub_split_file(path, (HUB_PATH, None, "validation"), ("ind", *FIELDS), hint)
-
-
-def hub_split_file(
-    path: Path, hub: tuple[str, str | None, str], fields: tuple[str, ...], hint: str
-) -> Path:
-    """`path`, first written as a jsonl of the `fields` of the hub dataset's (path, config,
-    split) when it is not there yet; refused in one line saying to pass `hint` when the hub
-    cannot be reached."""
-    if path.is_file():
-        return path
-    try:
-        import datasets
-
-        rows = datasets.load_dataset(hub[0], hub[1], split=hub[2])
-    except Exception as e:  # datasets raises many types for "offline"/"not found"
-        raise Unusable(
-            f"could not load {hub[0]} from the Hugging Face hub ({type(e).__name__}): pass {hint}"
-        ) from e
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(
-        path, "".join(json.dumps({k: row[k] for k in fields}) + "\n" for row in rows)
-    )
-    return path
-
-
-def read_jsonl(path: Path, check: Callable[[str, str], dict] | None = None) -> list[dict]:
-    """The items of a jsonl, blank lines skipped, each checked (HellaSwag's `checked` unless
-    `check` is given) naming its line."""
-    check = check or checked
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        bad_line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise ConfigError(
-            f"{path}:{bad_line}: not UTF-8 text ({e.reason}); give a jsonl in UTF-8"
-        ) from None
-    items = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            items.append(check(line, f"{path}:{n}"))
-    return items
 
 
 def checked(line: str, where: str) -> dict:
@@ -174,19 +116,6 @@ def harness_text(item: dict) -> tuple[str, list[str]]:
     return preprocess(context), [preprocess(ending) for ending in item["endings"]]
 
 
-def encode_pair(
-    context: str, continuation: str, encode: Callable[[str], list[int]]
-) -> tuple[list[int], list[int]]:
-    """The harness's tokens of a (context, continuation): trailing spaces of the context move to
-    the continuation; the whole is encoded, and the continuation is what follows the context's
-    own tokens (so a merge across the boundary is the tokenizer's, as in one text)."""
-    spaces = len(context) - len(context.rstrip())
-    if spaces:
-        context, continuation = context[:-spaces], context[-spaces:] + continuation
-    whole, head = encode(context + continuation), encode(context)
-    return head, whole[len(head) :]
-
-
 def harness_pairs(item: dict, encode: Callable[[str], list[int]]) -> Pairs:
     context, choices = harness_text(item)
     return [encode_pair(context, " " + choice, encode) for choice in choices]
@@ -206,31 +135,6 @@ def continuation_logprobs(
 ) -> list[torch.Tensor]:
     """The log-probability of each continuation token given everything before it, per row."""
     return [logprobs for logprobs, _ in scored_continuations(model, pairs, block_size, device)]
-
-
-def scored_continuations(
-    model: torch.nn.Module, pairs: Pairs, block_size: int, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per row, the log-probability of each continuation token given everything before it, and
-    whether it is the most likely token there (the first of the largest logits, as the harness's
-    argmax): one forward of the rows right-padded (padding only follows the tokens that count,
-    and attention is causal), each row cut from the left to fit `block_size` inputs."""
-    rows = [(context + continuation)[-(block_size + 1) :] for context, continuation in pairs]
-    inputs = torch.zeros(len(rows), max(map(len, rows)) - 1, dtype=torch.long)
-    targets = torch.zeros_like(inputs)
-    for i, row in enumerate(rows):
-        inputs[i, : len(row) - 1] = torch.tensor(row[:-1])
-        targets[i, : len(row) - 1] = torch.tensor(row[1:])
-    logits, _ = model(inputs.to(device))
-    logprobs = logits.float().log_softmax(-1)
-    greedy = (logprobs.argmax(-1) == targets.to(device)).cpu()
-    logprobs = logprobs.gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1).cpu()
-    out = []
-    for i, (row, (_, continuation)) in enumerate(zip(rows, pairs, strict=True)):
-        end = len(row) - 1  # the last target; the continuation's tokens end there
-        start = end - min(len(continuation), end)
-        out.append((logprobs[i, start:end], greedy[i, start:end]))
-    return out
 
 
 @torch.no_grad()
@@ -256,64 +160,21 @@ def choices(
     return {c: int(s.argmax()) for c, s in scores(model, item, block_size, device).items()}
 
 
-def correct_counts(
-    model: torch.nn.Module,
-    items: list[dict],
-    *,
-    block_size: int,
-    device: torch.device,
-    rank: int = 0,
-    world_size: int = 1,
-    autocast: contextlib.AbstractContextManager | None = None,
+def correct(
+    model: torch.nn.Module, items: list[dict], block_size: int, device: torch.device
 ) -> torch.Tensor:
-    """How many of this rank's items (i % world_size == rank) each convention gets right. Every
-    rank runs the same number of forwards (a rank short of items repeats one, uncounted): under
-    FSDP each forward gathers the weights from all ranks. Eager and in eval mode, as evaluate()."""
-    mine = items[rank::world_size]
-    rounds = -(-len(items) // world_size)
-    correct = torch.zeros(len(CONVENTIONS), dtype=torch.long)
-    was_training = model.training
-    model.eval()
-    with torch.compiler.set_stance("force_eager"), autocast or contextlib.nullcontext():
-        for n in range(rounds):
-            picked = choices(model, mine[n] if n < len(mine) else items[0], block_size, device)
-            if n < len(mine):
-                correct += torch.tensor([picked[c] == mine[n]["label"] for c in CONVENTIONS])
-    model.train(was_training)
-    return correct
+    """Per item, whether each convention picks its labelled ending (1.0 or 0.0), float64."""
+    picks = [choices(model, item, block_size, device) for item in items]
+    return torch.tensor(
+        [[float(pick[c] == item["label"]) for c in CONVENTIONS]
+         for item, pick in zip(items, picks, strict=True)],
+        dtype=torch.float64,
+    )  # fmt: skip
 
 
-def summed_over_ranks(
-    score: Callable[..., torch.Tensor],
-    model: torch.nn.Module,
-    items: list[dict],
-    block_size: int,
-    dist: Distributed,
-    autocast: contextlib.AbstractContextManager | None,
-) -> torch.Tensor:
-    """`score`'s sums over `items`, each data-parallel rank scoring its share, summed over the
-    ranks (the ranks of a tensor-parallel group hold the same sums: counted once); every rank
-    must call it. HellaSwag's and LAMBADA's evaluations share it."""
-    total = score(
-        model, items, block_size=block_size, device=dist.device, rank=dist.dp_rank,
-        world_size=dist.dp_size, autocast=autocast,
-    ).to(dist.device)  # fmt: skip
-    if dist.enabled:
-        torch.distributed.all_reduce(total)  # a sum
-        total = total / (dist.world_size // dist.dp_size)  # each tp group's, from each rank
-    return total
+def accuracies(correct_sums: list[float], count: int) -> dict[str, float]:
+    return {c: n / count for c, n in zip(CONVENTIONS, correct_sums, strict=True)}
 
 
-def evaluate(
-    model: torch.nn.Module,
-    items: list[dict],
-    *,
-    block_size: int,
-    dist: Distributed,
-    autocast: contextlib.AbstractContextManager | None = None,
-) -> dict[str, Any]:
-    """The three accuracies over `items` (split over the ranks) and the item count; every rank
-    must call it."""
-    correct = summed_over_ranks(correct_counts, model, items, block_size, dist, autocast)
-    accuracy = {c: n / len(items) for c, n in zip(CONVENTIONS, correct.tolist(), strict=True)}
-    return accuracy | {"items": len(items)}
+# One item a forward: its 8 rows (4 endings x 2 conventions' tokens).
+TASK = Task("hellaswag", load_items, correct, accuracies, items_per_forward=1)
