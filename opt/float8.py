@@ -155,11 +155,17 @@ def _plain_weight(module: nn.Module, state_dict: dict, prefix: str, local_metada
     if isinstance(weight, DTensor):  # FSDP's shard of it
         local = weight.to_local()
         state_dict[key] = DTensor.from_local(
-            getattr(local, "_tensor", local), weight.device_mesh, weight.placements,
+            _unwrapped(local), weight.device_mesh, weight.placements,
             shape=weight.shape, stride=weight.stride(), run_check=False,
         )  # fmt: skip
     elif weight is not None:
-        state_dict[key] = getattr(weight, "_tensor", weight)
+        state_dict[key] = _unwrapped(weight)
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside torchao's wrapper (the parameter itself: detached, as
+    state_dict() gives its tensors)."""
+    return getattr(t, "_tensor", t).detach()
 
 
 def _apply(ctx: Context) -> None:
