@@ -128,6 +128,7 @@ def train_step(
     scaler.unscale_(optimizer)  # clip the true gradients
     grad_norm = opt.clip_grad_norm_(train_model, optimizer, grad_clip)  # over every rank, stage
     guard.step(optimizer, scaler, losses, grad_norm)
+    plan.after_step()  # the stages' work on the stepped weights (+opt=float8's scales)
     optimizer.zero_grad(set_to_none=True)
     return losses, grad_norm
 

@@ -7,9 +7,16 @@ apply). STAGES lists them in the one order they run, whatever order they were li
     numerics  tf32 -> amp                    the precision the step runs in
     optimizer forloop | foreach | fused      AdamW's implementation, or torchao's low-bit AdamW
               | lowbit
-    model     custom_op -> tp -> ac          the fused head + loss replaces a piece of the model
-              -> compile -> pp               before anything wraps it; tensor parallelism then
-              -> fsdp | offload | ddp        splits the matmuls (checkpointing recomputes and
+    model     custom_op -> float8 -> tp      the fused head + loss replaces a piece of the model
+              -> ac -> compile -> pp         before anything wraps it; float8 then swaps the
+              -> fsdp | offload | ddp        Linear modules for torchao's, before anything
+                                             splits, wraps or traces them (torchao's float8
+                                             tensor-parallel plans and FSDP's float8 all-gather
+                                             act on the swapped modules, and compile traces
+                                             their casts into its kernels; the head is no
+                                             Linear that float8 converts, so custom_op's order
+                                             with it is free); tensor parallelism then
+                                             splits the matmuls (checkpointing recomputes and
                                              compile traces the DTensor program; FSDP and DDP
                                              take the data-parallel dimension of its mesh);
                                              checkpointing is applied before compile so that
@@ -30,6 +37,9 @@ its `STAGE` (opt/stage.py), and one line in STAGES.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
@@ -43,6 +53,7 @@ from opt import (
     compile,
     custom_op,
     ddp,
+    float8,
     fsdp,
     lowbit,
     non_blocking,
@@ -67,8 +78,8 @@ STAGES: tuple[Stage, ...] = (
     workers.STAGE, non_blocking.STAGE,
     tf32.STAGE, amp.STAGE,
     optimizer_impl.FORLOOP, optimizer_impl.FOREACH, optimizer_impl.FUSED, lowbit.STAGE,
-    custom_op.STAGE, tp.STAGE, ac.STAGE, compile.STAGE, pp.STAGE, fsdp.STAGE, offload.STAGE,
-    ddp.STAGE,
+    custom_op.STAGE, float8.STAGE, tp.STAGE, ac.STAGE, compile.STAGE, pp.STAGE, fsdp.STAGE,
+    offload.STAGE, ddp.STAGE,
     opt_in_backward.STAGE,
 )  # fmt: skip
 ORDER = tuple(stage.name for stage in STAGES)  # their names, in that order
@@ -160,9 +171,20 @@ def apply_optimizer_stages(
     optimizer: torch.optim.Optimizer, p: Plan, guard: NonFiniteGuard, model: GPT
 ) -> None:
     """Applies the stages that change how `model`'s built optimizer steps: +opt=opt_in_backward
-    (which steps `model`'s blocks)."""
+    (which steps `model`'s blocks); sets `p.after_step`, what the trainer calls after each
+    step: the selected stages' `after_optimizer_step` (+opt=float8's scales), in ORDER."""
     context = Context(guard.dist, p, model=model, optimizer=optimizer, guard=guard)
     _run("step", DictConfig({}), context)
+    hooks = [
+        s.after_optimizer_step for s in STAGES if s.name in p.stages and s.after_optimizer_step
+    ]
+    if hooks:
+        p.after_step = functools.partial(_after_optimizer_step, hooks, context)
+
+
+def _after_optimizer_step(hooks: list[Callable[[Context], None]], context: Context) -> None:
+    for hook in hooks:
+        hook(context)
 
 
 def clip_grad_norm_(

@@ -6,10 +6,11 @@ compute for most of the activation memory.
 - selective: every `every`-th block, and within it the whole block or only its `attn` or `mlp`
   sub-layer, trading less recomputation for less memory saved.
 - op: every block, with an op-level policy (`create_selective_checkpoint_contexts`): the outputs
-  of the matmuls (mm, addmm, bmm) and of attention (SDPA) are kept, the cheap elementwise ops
-  (LayerNorm, GELU, residual adds, dropout, casts) are recomputed. Backward then redoes no
-  matmul: less recomputation than `full`, much more memory kept (the matmul outputs of every
-  block, e.g. 20 bytes per token per block and unit of width in bfloat16), still less than none.
+  of the matmuls (mm, addmm, bmm, float8's _scaled_mm) and of attention (SDPA) are kept, the
+  cheap elementwise ops (LayerNorm, GELU, residual adds, dropout, casts) are recomputed.
+  Backward then redoes no matmul: less recomputation than `full`, much more memory kept (the
+  matmul outputs of every block, e.g. 20 bytes per token per block and unit of width in
+  bfloat16), still less than none.
 
 The region's `forward` is replaced in place, so parameter names (and checkpoints) are unchanged.
 """
@@ -44,6 +45,7 @@ SAVED_OPS = frozenset(
         aten.mm.default,
         aten.addmm.default,
         aten.bmm.default,
+        aten._scaled_mm.default,  # +opt=float8's matmuls
         aten._scaled_dot_product_flash_attention.default,
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,

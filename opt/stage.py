@@ -62,6 +62,9 @@ class Plan:
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     # FSDP's `fully_shard` wraps the model: +opt=fsdp, or +opt=offload on a GPU (their plans).
     fully_sharded: bool = False
+    # What the trainer calls after each optimizer step: the selected stages'
+    # `after_optimizer_step` (set by opt.apply_optimizer_stages), else nothing.
+    after_step: Callable[[], None] = lambda: None
     tp_sequence_parallel: bool = False  # +opt=tp: the residual stream split over the sequence
     pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
     dp_replicas: int = 1  # +opt=fsdp's replicas: HSDP (Distributed.with_mesh)
@@ -127,3 +130,6 @@ class Stage:
     unselected: Callable[[Context], Any] | None = None
     # Refuses, in one line, resuming a checkpoint written with these stages (its `stages`).
     check_resume: Callable[[list[str]], None] | None = None
+    # Run by the trainer after each optimizer step, with the step phase's context (+opt=float8:
+    # the float8 weights' scales for FSDP's next all-gather).
+    after_optimizer_step: Callable[[Context], None] | None = None

@@ -116,6 +116,8 @@ BAD_KNOBS = [
     (["+opt=tp", "opt.tp.degree=0"], "opt.tp.degree"),
     (["+opt=pp", "opt.pp.schedule=zigzag"], "opt.pp.schedule"),
     (["+opt=custom_op", "opt.custom_op.num_warps=3"], "opt.custom_op.num_warps"),
+    (["+opt=float8", "opt.float8.recipe=blockwise"], "opt.float8.recipe"),
+    (["+opt=float8", "opt.float8.fsdp_all_gather=true"], "opt.float8.fsdp_all_gather"),
 ]
 
 

@@ -42,6 +42,7 @@ REFUSED = {
         ("opt_in_backward", "ddp"), ("opt_in_backward", "fsdp"), ("opt_in_backward", "offload"),
         ("tp", "custom_op"), ("tp", "offload"), ("tp", "opt_in_backward"),
         ("pp", "accum"), ("pp", "custom_op"), ("pp", "offload"), ("pp", "opt_in_backward"),
+        ("float8", "tp"),
     ]  # (opt_in_backward with amp: refused in float16 only, test_memory_stages; auto here: bf16)
 }  # fmt: skip
 # Stages that run in one process only (and fsdp, in several only): planned for the right world.
