@@ -8,7 +8,7 @@ apply). STAGES lists them in the one order they run, whatever order they were li
     optimizer forloop | foreach | fused      AdamW's implementation, or torchao's low-bit AdamW
               | lowbit
     model     custom_op -> tp -> ac          the fused head + loss replaces a piece of the model
-              -> compile -> pp               before anything wraps it; tensor parallelism then
+              -> compile -> attention -> pp  before anything wraps it; tensor parallelism then
               -> fsdp | offload | ddp        splits the matmuls (checkpointing recomputes and
                                              compile traces the DTensor program; FSDP and DDP
                                              take the data-parallel dimension of its mesh);
@@ -18,9 +18,12 @@ apply). STAGES lists them in the one order they run, whatever order they were li
                                              pieces: each block, embed and head), before pp
                                              splits it into stages that call those pieces, and
                                              before the data-parallel wrappers (and offload's
-                                             FSDP) hook into its parameters and gradients. DDP
-                                             wraps any multi-process run that nothing else
-                                             spreads, selected or not.
+                                             FSDP) hook into its parameters and gradients. The
+                                             attention kernel is set after compile, which
+                                             traces at the first step and so sees it, and whose
+                                             private cache folder the FlexAttention probe
+                                             compiles into. DDP wraps any multi-process run
+                                             that nothing else spreads, selected or not.
     step      opt_in_backward                last, on the built optimizer: it hooks the
                                              parameters that every model stage has settled.
 
@@ -39,6 +42,7 @@ from opt import (
     ac,
     accum,
     amp,
+    attention,
     bs,
     compile,
     custom_op,
@@ -67,7 +71,8 @@ STAGES: tuple[Stage, ...] = (
     workers.STAGE, non_blocking.STAGE,
     tf32.STAGE, amp.STAGE,
     optimizer_impl.FORLOOP, optimizer_impl.FOREACH, optimizer_impl.FUSED, lowbit.STAGE,
-    custom_op.STAGE, tp.STAGE, ac.STAGE, compile.STAGE, pp.STAGE, fsdp.STAGE, offload.STAGE,
+    custom_op.STAGE, tp.STAGE, ac.STAGE, compile.STAGE, attention.STAGE,
+    pp.STAGE, fsdp.STAGE, offload.STAGE,
     ddp.STAGE,
     opt_in_backward.STAGE,
 )  # fmt: skip
