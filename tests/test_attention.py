@@ -242,8 +242,11 @@ def test_each_backend_trains_gpt2_at_equal_loss_and_logs_its_kernel(
 ) -> None:
     from train import train
 
-    stages = "+opt=[amp,compile,attention]" if backend == "flex" else "+opt=[amp,attention]"
-    summary = train(make_cfg(*GPT2_SHAPES, stages, f"opt.attention.backend={backend}"), tmp_path)
+    # flex: compiled, and sampling at the end (new lengths: their masks built inside the graph)
+    stages = ["+opt=[amp,attention]"]
+    if backend == "flex":
+        stages = ["+opt=[amp,compile,attention]", "sample.num_samples=1", "sample.max_new_tokens=3"]
+    summary = train(make_cfg(*GPT2_SHAPES, *stages, f"opt.attention.backend={backend}"), tmp_path)
     assert summary["attention_kernel"].split(": ")[0] == backend, summary["attention_kernel"]
     assert summary["train/loss"] == pytest.approx(auto_run["train/loss"], rel=2e-2)
     assert not auto_run["attention_kernel"].startswith("unknown"), auto_run["attention_kernel"]

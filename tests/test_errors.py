@@ -116,6 +116,8 @@ BAD_KNOBS = [
     (["+opt=tp", "opt.tp.degree=0"], "opt.tp.degree"),
     (["+opt=pp", "opt.pp.schedule=zigzag"], "opt.pp.schedule"),
     (["+opt=custom_op", "opt.custom_op.num_warps=3"], "opt.custom_op.num_warps"),
+    (["+opt=attention", "opt.attention.backend=fast"], "opt.attention.backend"),
+    (["+opt=attention", "opt.attention.backend=cudnn"], "opt.attention.backend"),  # on a CPU
 ]
 
 
