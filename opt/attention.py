@@ -52,11 +52,11 @@ HALF_ONLY = {"cudnn": "cuDNN's fused attention", "flash": "FlashAttention-2"}
 
 # What ran, first match wins: the GPU's kernel names first (what the library ran), then the
 # operators (what PyTorch dispatched to: all a CPU shows, and the math backend's only trace).
-# Names seen with torch 2.11 on H100/H200 (cu130): cuDNN's
-# `cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1_cga1x1x1_
-# kernel0_0` (and `..._bprop_...`), flash's `pytorch_flash::flash_fwd_kernel<...>` (and
-# `flash_bwd_*`), the memory-efficient `fmha_cutlassF_bf16_aligned_64x64_rf_sm80(...)` (and
-# `fmha_cutlassB_*`), Inductor's FlexAttention `triton_tem_fused_flex_attention_0`.
+# cuDNN's as the H100 step budget recorded them (torch 2.11: `cudnn_generated_fort_native_sdpa_
+# sm90_flash_fprop_wgmma_f16_knob_7_...`, `..._bprop_...`; `..._sdpa_sm80_knob_...` on an A100),
+# the others as public profiles do: `void pytorch_flash::flash_fwd_kernel<...>`, `flash_bwd_*`;
+# `fmha_cutlassF_bf16_aligned_64x64_rf_sm80(...)`, `fmha_cutlassB_*`; Inductor's FlexAttention
+# `triton_tem_fused_flex_attention_0`, `triton_tem_fused_flex_attention_backward_transpose_view_3`.
 KINDS = (
     ("cudnn", re.compile(r"cudnn.*sdpa|sdpa.*cudnn|cudnn.*[fb]prop", re.I)),
     ("flash", re.compile(r"pytorch_flash::|flash_(fwd|bwd)_", re.I)),
@@ -78,7 +78,7 @@ def classify(names: Iterable[str]) -> str:
     for kind, pattern in KINDS:
         name = next((n for n in names if pattern.search(n)), None)
         if name is not None:
-            return f"{kind}: {re.split(r'[<(]', name, maxsplit=1)[0]}"
+            return f"{kind}: {re.split(r'[<(]', name.removeprefix('void '), maxsplit=1)[0]}"
     return f"unknown: none of {len(names)} events names an attention kernel"
 
 
