@@ -196,11 +196,6 @@ def _check(ctx: Context) -> None:
     """Refuses, in one line, what the device, the model or the other stages cannot run."""
     backend, device, cfg = ctx.knobs.backend, ctx.dist.device, ctx.cfg
     key = f"opt.attention.backend={backend}"
-    if device.type != "cuda" and backend in CUDA_ONLY:
-        raise ConfigError(
-            f"{key}: {CUDA_ONLY[backend]} runs on a CUDA GPU only, this run is on a "
-            f"{device.type}: use auto, math or flash (PyTorch's CPU kernel) here"
-        )
     if device.type == "cuda" and backend in HALF_ONLY:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 8:
@@ -214,17 +209,29 @@ def _check(ctx: Context) -> None:
                 f"{key} with model.dropout={cfg.model.dropout}: FlexAttention has no dropout; "
                 "set model.dropout=0 (GPT-2's pretraining uses none) or use an SDPA backend"
             )
-        if device.type != "cuda":
-            raise ConfigError(
-                f"{key}: FlexAttention has no backward on a {device.type} (torch "
-                f"{torch.__version__}): train with it on a GPU, or use auto or math here"
-            )
         if "compile" not in ctx.plan.stages or cfg.opt.compile.backend != "inductor":
             raise ConfigError(
                 f"{key} needs +opt=compile with opt.compile.backend=inductor: Inductor "
                 "generates FlexAttention's fused kernel; without it FlexAttention runs a "
                 "reference that materialises every T x T score"
             )
+
+
+def refuse_off_gpu(backend: str, device: torch.device) -> None:
+    """Refuses, in one line, a GPU-only backend on a CPU. Checked as the model is set up, with
+    the probe that refuses what PyTorch itself cannot run, rather than while planning: a GPU
+    ladder's steps are planned on any host (their device `auto`)."""
+    key = f"opt.attention.backend={backend}"
+    if device.type != "cuda" and backend in CUDA_ONLY:
+        raise ConfigError(
+            f"{key}: {CUDA_ONLY[backend]} runs on a CUDA GPU only, this run is on a "
+            f"{device.type}: use auto, math or flash (PyTorch's CPU kernel) here"
+        )
+    if device.type != "cuda" and backend == "flex":
+        raise ConfigError(
+            f"{key}: FlexAttention has no backward on a {device.type} (torch "
+            f"{torch.__version__}): train with it on a GPU, or use auto or math here"
+        )
 
 
 def _plan(ctx: Context) -> None:
@@ -244,6 +251,7 @@ def apply_attention(ctx: Context, backend: str) -> None:
     run; on a CPU only if the stage was selected)."""
     model, plan, device = ctx.model, ctx.plan, ctx.dist.device
     selected = "attention" in plan.stages
+    refuse_off_gpu(backend, device)
     attend = attend_with(backend)
     use(model, attend)
     c = model.config

@@ -172,9 +172,6 @@ def test_a_cpu_run_logs_the_kernel_and_trains_as_without_the_stage(tmp_path) -> 
 @pytest.mark.parametrize(
     "overrides, device, says",
     [
-        (["opt.attention.backend=cudnn"], CPU, "cuDNN's fused attention runs on a CUDA GPU only"),
-        (["opt.attention.backend=efficient"], CPU, "runs on a CUDA GPU only"),
-        (["opt.attention.backend=flex"], CPU, "FlexAttention has no backward on a cpu"),
         (["opt.attention.backend=flex", "model.dropout=0.1"], CPU, "FlexAttention has no dropout"),
         (["opt.attention.backend=flex"], CUDA, "needs +opt=compile"),
         (["opt.attention.backend=flash"], CUDA, "computes in float16 or bfloat16 only"),
@@ -182,7 +179,9 @@ def test_a_cpu_run_logs_the_kernel_and_trains_as_without_the_stage(tmp_path) -> 
         (["opt.attention.backend=fast"], CPU, "opt.attention.backend"),
     ],
 )  # fmt: skip
-def test_what_cannot_run_is_refused_in_one_line(monkeypatch, overrides, device, says) -> None:
+def test_what_cannot_run_is_refused_in_one_line_while_planning(
+    monkeypatch, overrides, device, says
+) -> None:
     """On a GPU these only plan (nothing touches it), as on an H100 (sm90), or a T4 (sm75)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     if "sm75" in says:
@@ -190,6 +189,23 @@ def test_what_cannot_run_is_refused_in_one_line(monkeypatch, overrides, device, 
     cfg = tiny_cfg("+opt=[amp,attention]" if "sm75" in says else "+opt=attention", *overrides)
     with pytest.raises(ConfigError, match=re.escape(says)) as refused:
         opt.plan(cfg, device)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "backend, says",
+    [
+        ("cudnn", "cuDNN's fused attention runs on a CUDA GPU only"),
+        ("efficient", "the memory-efficient kernel runs on a CUDA GPU only"),
+        ("flex", "FlexAttention has no backward on a cpu"),
+    ],
+)
+def test_a_gpu_backend_is_refused_on_a_cpu_as_the_model_is_set_up(backend, says) -> None:
+    cfg = tiny_cfg("+opt=[compile,attention]", f"opt.attention.backend={backend}")
+    plan = opt.plan(cfg, CPU)  # planned: a GPU ladder's steps are planned on any host
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+    with pytest.raises(ConfigError, match=re.escape(says)) as refused:
+        attention.apply_attention(opt.stage.Context(CPU, plan, model=model, module=model), backend)
     assert "\n" not in str(refused.value)
 
 

@@ -117,7 +117,6 @@ BAD_KNOBS = [
     (["+opt=pp", "opt.pp.schedule=zigzag"], "opt.pp.schedule"),
     (["+opt=custom_op", "opt.custom_op.num_warps=3"], "opt.custom_op.num_warps"),
     (["+opt=attention", "opt.attention.backend=fast"], "opt.attention.backend"),
-    (["+opt=attention", "opt.attention.backend=cudnn"], "opt.attention.backend"),  # on a CPU
 ]
 
 
