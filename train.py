@@ -240,6 +240,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     # ---- summary and samples
     summary: dict[str, Any] = {"step": step, "stages": plan.stages, "completed": step == max_steps,
                                "stopped_by": stop.signal,  # SIGTERM/SIGINT: a sweep then stops
+                               "attention_kernel": plan.attention_kernel,  # opt/attention.py
                                **meter.summary(), **memory_gib(dist.device)}  # fmt: skip
     # Every rank samples (FSDP needs them all); not under pp: sample.py reads its checkpoint.
     if step == max_steps and cfg.sample.num_samples and evaluated is model:
@@ -315,7 +316,8 @@ def open_run_folder(
         run_dir, enabled=dist.is_main, max_steps=cfg.train.max_steps, wandb_cfg=cfg.wandb,
         run_name=run_name(cfg, plan), history=history, wandb_id=run.wandb_id,
         config={**resolved, "stages": plan.stages, "world_size": dist.world_size,
-                "tokens_per_step": tokens_per_step(cfg, plan, dist)},
+                "tokens_per_step": tokens_per_step(cfg, plan, dist),
+                "attention_kernel": plan.attention_kernel},
     )  # fmt: skip
 
 

@@ -2,7 +2,8 @@
 
 Module names follow the GPT-2 checkpoint (`wte`, `c_attn`, `c_proj`, ...) so that importing
 Hugging Face weights is a straight copy. Attention goes through
-`F.scaled_dot_product_attention`, which picks a flash/memory-efficient kernel when it can.
+`F.scaled_dot_product_attention`, whose dispatcher picks the kernel (cuDNN's, flash,
+memory-efficient or the plain math); +opt=attention chooses it (opt/attention.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ from recipe.errors import ConfigError, Unusable
 FusedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # The weights Hugging Face's GPT-2 stores as Conv1D, i.e. transposed relative to nn.Linear.
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Causal attention: (q, k, v, each (B, n_head, T, head_dim); the dropout probability) -> (B,
+# n_head, T, head_dim).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float
+) -> torch.Tensor:
+    """PyTorch's causal scaled-dot-product attention, the kernel left to its dispatcher."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
 
 @dataclass
@@ -54,6 +65,8 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # +opt=attention: one SDPA backend, or FlexAttention (opt/attention.py).
+        self.attend: Attend = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -63,7 +76,7 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        y = self.attend(q, k, v, dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 

@@ -8,8 +8,8 @@ apply). STAGES lists them in the one order they run, whatever order they were li
     optimizer forloop | foreach | fused      AdamW's implementation, or torchao's low-bit AdamW
               | lowbit
     model     custom_op -> float8 -> tp      the fused head + loss replaces a piece of the model
-              -> ac -> compile -> pp         before anything wraps it; float8 then swaps the
-              -> fsdp | offload | ddp        Linear modules for torchao's, before anything
+              -> ac -> compile -> attention  before anything wraps it; float8 then swaps the
+              -> pp -> fsdp | offload | ddp  Linear modules for torchao's, before anything
                                              splits, wraps or traces them (torchao's float8
                                              tensor-parallel plans and FSDP's float8 all-gather
                                              act on the swapped modules, and compile traces
@@ -25,9 +25,12 @@ apply). STAGES lists them in the one order they run, whatever order they were li
                                              pieces: each block, embed and head), before pp
                                              splits it into stages that call those pieces, and
                                              before the data-parallel wrappers (and offload's
-                                             FSDP) hook into its parameters and gradients. DDP
-                                             wraps any multi-process run that nothing else
-                                             spreads, selected or not.
+                                             FSDP) hook into its parameters and gradients. The
+                                             attention kernel is set after compile, which
+                                             traces at the first step and so sees it, and whose
+                                             private cache folder the FlexAttention probe
+                                             compiles into. DDP wraps any multi-process run
+                                             that nothing else spreads, selected or not.
     step      opt_in_backward                last, on the built optimizer: it hooks the
                                              parameters that every model stage has settled.
 
@@ -49,6 +52,7 @@ from opt import (
     ac,
     accum,
     amp,
+    attention,
     bs,
     compile,
     custom_op,
@@ -78,8 +82,8 @@ STAGES: tuple[Stage, ...] = (
     workers.STAGE, non_blocking.STAGE,
     tf32.STAGE, amp.STAGE,
     optimizer_impl.FORLOOP, optimizer_impl.FOREACH, optimizer_impl.FUSED, lowbit.STAGE,
-    custom_op.STAGE, float8.STAGE, tp.STAGE, ac.STAGE, compile.STAGE, pp.STAGE, fsdp.STAGE,
-    offload.STAGE, ddp.STAGE,
+    custom_op.STAGE, float8.STAGE, tp.STAGE, ac.STAGE, compile.STAGE, attention.STAGE,
+    pp.STAGE, fsdp.STAGE, offload.STAGE, ddp.STAGE,
     opt_in_backward.STAGE,
 )  # fmt: skip
 ORDER = tuple(stage.name for stage in STAGES)  # their names, in that order

@@ -70,6 +70,7 @@ class Plan:
     dp_replicas: int = 1  # +opt=fsdp's replicas: HSDP (Distributed.with_mesh)
     step_in_backward: bool = False  # opt_in_backward: each block steps from its grad hooks
     clip_in_backward: float = float("inf")  # opt_in_backward: train.grad_clip, norm estimated
+    attention_kernel: str | None = None  # what computes attention, as profiled (opt/attention.py)
 
     @property
     def micro_batch_size(self) -> int:

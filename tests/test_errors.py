@@ -118,6 +118,7 @@ BAD_KNOBS = [
     (["+opt=custom_op", "opt.custom_op.num_warps=3"], "opt.custom_op.num_warps"),
     (["+opt=float8", "opt.float8.recipe=blockwise"], "opt.float8.recipe"),
     (["+opt=float8", "opt.float8.fsdp_all_gather=true"], "opt.float8.fsdp_all_gather"),
+    (["+opt=attention", "opt.attention.backend=fast"], "opt.attention.backend"),
 ]
 
 
