@@ -1,11 +1,11 @@
-"""scripts/plan_memory.py: every measured ok row of the memory ladders predicted within 10% from
-shapes and stages alone, the published table current, one JSON object per prediction, --fit's
-candidates fastest first with commands that plan the same, a bad override refused in one line,
-and a prediction in seconds on a CPU."""
+"""scripts/plan_memory.py (measure/plan_memory.py, its model measure/memory_model.py): every
+measured ok row of the memory ladders predicted within 10% from shapes and stages alone, the
+published table current, one JSON object per prediction, --fit's candidates fastest first with
+commands that plan the same, a bad override refused in one line, and a prediction in seconds on
+a CPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -16,12 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT, python
-
-# Registered in sys.modules: its dataclasses resolve their annotations through it.
-spec = importlib.util.spec_from_file_location("plan_memory", ROOT / "scripts/plan_memory.py")
-plan_memory = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-sys.modules["plan_memory"] = plan_memory
-spec.loader.exec_module(plan_memory)
+from measure import memory_model, plan_memory
 
 ROWS = [
     (gpu, ladder, row["name"])
@@ -64,10 +59,10 @@ def test_json_has_the_peak_every_category_and_the_phase_in_seconds() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert time.perf_counter() - started < 60  # seconds, no GPU (~5 s of CPU)
     out = json.loads(done.stdout)
-    assert set(out) == {"peak_gib", *plan_memory.CATEGORIES, "phase", "moment", "sets_peak"}
+    assert set(out) == {"peak_gib", *memory_model.CATEGORIES, "phase", "moment", "sets_peak"}
     assert out["phase"] in ("forward", "backward", "step")
-    assert out["sets_peak"] in plan_memory.CATEGORIES
-    parts = sum(out[c] for c in plan_memory.CATEGORIES)
+    assert out["sets_peak"] in memory_model.CATEGORIES
+    parts = sum(out[c] for c in memory_model.CATEGORIES)
     assert out["peak_gib"] == pytest.approx(parts, abs=0.01)
     block = (12 * 1600**2 + 13 * 1600) * 4 / 2**30  # GPT-2 XL's block, float32: 0.115 GiB
     assert out["gradients"] == pytest.approx(block, abs=0.001)  # opt_in_backward: one block's
@@ -167,8 +162,8 @@ def test_hsdp_shards_over_one_replica() -> None:
     """Under HSDP (opt.fsdp.replicas) each rank holds 1/shards of the weights and AdamW's
     state: 2 replicas x 2 shards hold twice FSDP-over-4's share."""
     shared = ["model=gpt2-xl", "+opt=[amp,fsdp]", "nproc=4"]
-    over_four = plan_memory.predict(*plan_memory.compose(shared)[:2]).as_dict()
-    hsdp = plan_memory.predict(*plan_memory.compose([*shared, "opt.fsdp.replicas=2"])[:2])
+    over_four = memory_model.predict(*plan_memory.compose(shared)[:2]).as_dict()
+    hsdp = memory_model.predict(*plan_memory.compose([*shared, "opt.fsdp.replicas=2"])[:2])
     for category in ("weights", "optimizer_state"):
         ratio = hsdp.as_dict()[category] / over_four[category]
         assert ratio == pytest.approx(2, rel=0.1), category

@@ -5,17 +5,13 @@ repeats and noise."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, fake_vs_nanogpt_result
-
-spec = importlib.util.spec_from_file_location("render_readme", ROOT / "scripts/render_readme.py")
-render_readme = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-spec.loader.exec_module(render_readme)
+from measure import render_readme
 
 README = ROOT / "README.md"
 
