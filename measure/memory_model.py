@@ -19,9 +19,9 @@ comm_buckets (DDP's gradient buckets, FSDP's gathered blocks and reduce-scatter 
 and slack (a calibrated fraction for what the model leaves out: small tensors, per-op
 workspaces, the allocator's 512-byte rounding).
 
-Refused: +opt=tp and +opt=pp (each rank holds a part of every block, or some blocks, and a
-pipeline keeps several micro-batches in flight: not modelled, and no measured row to check a
-model against yet). Not modelled: +opt=compile is planned as eager
+Refused: a stage not in MODELLED, such as +opt=tp and +opt=pp (each rank holds a part of every
+block, or some blocks, and a pipeline keeps several micro-batches in flight: not modelled, and
+no measured row to check a model against yet). Not modelled: +opt=compile is planned as eager
 (an upper bound: Inductor fuses elementwise ops and the loss, and saves less: the speed ladder's
 compiled rows measure up to ~50% below it); torchao's and cuBLAS's workspaces beyond the slack;
 the reserved-but-unallocated memory of the allocator (--fit allows for it with one measured
@@ -141,7 +141,18 @@ class Setup:
     stored: int = 4  # bytes per value of the weights and their gradients (opt.lowbit.weights)
 
 
-UNPLANNED = ("tp", "pp")  # stages whose memory the planner does not model (the docstring)
+# The stages this model covers, by what each changes of a step's memory. A stage not listed is
+# refused, naming it, rather than planned as if it were absent: tp and pp (each rank holds a part
+# of every block, or some blocks, and a pipeline keeps several micro-batches in flight), and any
+# stage added to opt/ until its memory is modelled here.
+MODELLED = frozenset({
+    "bs", "accum",  # the micro-batch's tokens; the earlier micro-batches' gradients
+    "workers", "non_blocking", "tf32",  # nothing of their own in the GPU's allocated memory
+    "compile",  # planned as eager: an upper bound
+    "amp", "ac", "custom_op",  # the compute dtype and autocast's casts; activations; the head
+    "foreach", "forloop", "fused", "lowbit", "opt_in_backward",  # the optimizer's state and update
+    "ddp", "fsdp", "offload",  # DDP's buckets; FSDP's shards and gathered blocks; the host's share
+})  # fmt: skip
 
 
 def plan_setup(cfg: DictConfig, nproc: int) -> Setup:
@@ -151,12 +162,12 @@ def plan_setup(cfg: DictConfig, nproc: int) -> Setup:
     with contextlib.redirect_stdout(io.StringIO()):
         p = opt.plan(cfg, dist)
     o, stages = cfg.opt, p.stages
-    unplanned = [s for s in UNPLANNED if s in stages]
-    if unplanned:
+    unmodelled = [s for s in stages if s not in MODELLED]
+    if unmodelled:
         raise ConfigError(
-            f"+opt={unplanned[0]} is not planned yet (its per-rank parts of the model, and a "
-            "pipeline's micro-batches in flight, are not modelled): measure it, or plan the "
-            "run without it"
+            f"+opt={unmodelled[0]} is not modelled by the memory planner (it models "
+            f"{', '.join(s for s in opt.ORDER if s in MODELLED)}): measure it, or plan the run "
+            "without it"
         )
     amp = p.amp_dtype is not None
     pure = amp and p.pure_low_precision

@@ -1,8 +1,8 @@
 """scripts/plan_memory.py (measure/plan_memory.py, its model measure/memory_model.py): every
 measured ok row of the memory ladders predicted within 10% from shapes and stages alone, the
 published table current, one JSON object per prediction, --fit's candidates fastest first with
-commands that plan the same, a bad override refused in one line, and a prediction in seconds on
-a CPU."""
+commands that plan the same, a bad override refused in one line, a stage the model does not
+cover refused, and a prediction in seconds on a CPU."""
 
 from __future__ import annotations
 
@@ -132,8 +132,8 @@ def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
         (["--fit"], "budget=22GiB"),
         (["--jsn"], "unknown flag"),
         # Not modelled: refused rather than planned as DDP (which it once was, silently).
-        (["model=gpt2-large", "+opt=[tp,amp]", "nproc=2"], "+opt=tp is not planned yet"),
-        (["+opt=[pp,fsdp]", "nproc=4"], "+opt=pp is not planned yet"),
+        (["model=gpt2-large", "+opt=[tp,amp]", "nproc=2"], "+opt=tp is not modelled"),
+        (["+opt=[pp,fsdp]", "nproc=4"], "+opt=pp is not modelled"),
     ],
 )
 def test_a_bad_override_is_refused_in_one_line(args: list[str], expected: str, monkeypatch) -> None:
@@ -167,3 +167,22 @@ def test_hsdp_shards_over_one_replica() -> None:
     for category in ("weights", "optimizer_state"):
         ratio = hsdp.as_dict()[category] / over_four[category]
         assert ratio == pytest.approx(2, rel=0.1), category
+
+
+def test_a_stage_the_model_does_not_cover_is_refused_naming_it(monkeypatch) -> None:
+    """The planner plans only the stages it lists as modelled: a stage left off the list (as a
+    stage newly added to opt/ is) is refused in one line, not planned as if it were absent."""
+    monkeypatch.setattr(memory_model, "MODELLED", memory_model.MODELLED - {"tf32"})
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts/plan_memory.py")])  # names the program
+    with pytest.raises(SystemExit) as refused:
+        plan_memory.cli(["+opt=[amp,tf32]"])
+    message = str(refused.value)
+    assert message.startswith("plan_memory.py: error: +opt=tf32 is not modelled"), message
+    assert "\n" not in message and refused.value.code == 2
+
+
+def test_the_modelled_stages_are_stages() -> None:
+    """Every name on the list is a stage of opt/: a renamed stage leaves no stale name."""
+    import opt
+
+    assert not memory_model.MODELLED - set(opt.ORDER)
