@@ -16,8 +16,9 @@ first and last peak), `memory_xl` (GPT-2 XL's table), `xl_target` (its target ro
 `quality` (a quality report's verdict: the difference, the test, the seeds), `checkpoint_save`
 (how long an async save held the loop against a sync one).
 Rows with `repeats`, `interval` (tokens/s, [low, high]) and `within_noise` (their ratio's interval
-contains 1.00x) show them; a field a results file lacks renders as '—'. The labels of the rows
-(the step names the README uses) are in this file; every number comes from the json.
+contains 1.00x) show them; a field a results file lacks renders as '—'. Which rows a table shows
+is in this file; each row's caption is its step's `what` in the ladder's yaml
+(conf/ablate/ladder/<ladder>.yaml); every number comes from the json.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from measure import ladder_table, save_stall, stats, vs_nanogpt
+from measure import ladder_table, ladders, save_stall, stats, vs_nanogpt
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(
@@ -39,45 +40,17 @@ MARKER = re.compile(
 )
 MISSING = "—"
 
-# The README's name for each row it shows (in this order); rows not named are left out.
-SPEED_LABELS = {
-    "baseline": "baseline: batch 8, 0 workers, blocking copies, eager, fp32",
-    "bs": "bs 32",
-    "workers": "workers (12)",
-    "non_blocking": "non_blocking",
-    "compile": "compile",
-    "amp_fp16": "amp float16",
-    "tf32": "tf32",
-    "fused": "fused AdamW",
-    "bf16": "bfloat16",
-    "reduce_overhead": "compile reduce-overhead",
-    "memmap": "memmap loader, default compile mode",
-    "custom_op": "`custom_op`: fused head + cross-entropy, our Triton kernel",
-    "residual_bf16": "`opt.amp.residual=compute`: bfloat16 residual stream (other math)",
-    "bs64": "batch 64",
-}
-MEMORY_LABELS = {
-    "baseline": "baseline (foreach AdamW)",
-    "accum": "accum 16 x 2",
-    "ac": "ac",
-    "forloop": "forloop AdamW",
-    "fsdp": "fsdp, 2 GPUs",
-}
-XL_LABELS = {
-    "bf16": "`bf16`: bf16 autocast, fused AdamW, no checkpointing",
-    "ac": "`ac`: + every block checkpointed (reference)",
-    "custom_op": "+ `custom_op`: no float32 logits",
-    "weight_cache": "+ autocast without its weight cache",
-    "opt_in_backward": "+ `opt_in_backward`: no full set of gradients",
-    "ac_op": "+ `opt.ac.mode=op` (op-level policy)",
-    "offload": "`offload` (FSDP2 CPU offload, one process) instead",
-    "lowbit_torchao": "`lowbit` (8-bit AdamW, stepped in backward) with torchao's update, instead",
-    "lowbit": "**`lowbit`** with our Triton update (the same state and math)",
-    "bs128": "the same at batch 128 (8x the tokens per step)",
-    "cap22": "`lowbit` under a 22 GiB cap (a 24 GB card)",
-    "cap14": "+ bf16 residual stream, under 14 GiB (16 GB card; changes the math)",
-    "cap10": "+ bf16 weights, 4-bit moments, under 10 GiB (12 GB card; changes the math)",
-}
+# The rows each table shows, in the results file's order (the others are left out). A row's
+# caption is its step's `what` in the ladder's yaml, the one place it is written.
+SPEED_ROWS = (
+    "baseline", "bs", "workers", "non_blocking", "compile", "amp_fp16", "tf32", "fused", "bf16",
+    "reduce_overhead", "memmap", "custom_op", "residual_bf16", "bs64",
+)  # fmt: skip
+MEMORY_ROWS = ("baseline", "accum", "ac", "forloop", "fsdp")
+XL_ROWS = (
+    "bf16", "ac", "custom_op", "weight_cache", "opt_in_backward", "ac_op", "offload",
+    "lowbit_torchao", "lowbit", "bs128", "cap22", "cap14", "cap10",
+)  # fmt: skip
 XL_REFERENCE, XL_TARGET = "ac", "lowbit"
 
 
@@ -142,9 +115,19 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([*lines, *("| " + " | ".join(cells) + " |" for cells in rows)])
 
 
-def labelled(result: dict, labels: dict[str, str]) -> list[tuple[str, dict]]:
-    """(label, row) for each row the README names, in the results file's order."""
-    return [(labels[r["name"]], r) for r in result["steps"] if r["name"] in labels]
+def caption(row: dict) -> str:
+    """A row's caption: its step's name and `what` (from the ladder's yaml: see load)."""
+    if row.get("what") is None:
+        raise SystemExit(
+            f"render_readme.py: step {row['name']} is not in conf/ablate/ladder/"
+            f"{row.get('ladder')}.yaml, where a row's caption is written"
+        )
+    return f"`{row['name']}`: {row['what']}"
+
+
+def labelled(result: dict, names: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """(caption, row) for each row the README shows, in the results file's order."""
+    return [(caption(r), r) for r in result["steps"] if r["name"] in names]
 
 
 # ---- the kinds
@@ -152,7 +135,7 @@ def labelled(result: dict, labels: dict[str, str]) -> list[tuple[str, dict]]:
 
 def speed(result: dict) -> str:
     rows, previous = [], None
-    for label, row in labelled(result, SPEED_LABELS):
+    for label, row in labelled(result, SPEED_ROWS):
         cells = [label, _num(row.get("tokens_per_sec"), ",.0f"), _interval(row)]
         cells += [str(row.get("repeats", MISSING)), _speed_ratio(row, previous)]
         cells.append(_num(row.get("peak_allocated_gib"), ".1f"))
@@ -164,7 +147,7 @@ def speed(result: dict) -> str:
 
 def memory(result: dict) -> str:
     rows, previous = [], None
-    for label, row in labelled(result, MEMORY_LABELS):
+    for label, row in labelled(result, MEMORY_ROWS):
         peak = _num(row.get("peak_allocated_gib"), ".2f", " GiB")
         rows.append([label, peak, _memory_change(row, previous), _tokens(row)])
         previous = row
@@ -172,13 +155,13 @@ def memory(result: dict) -> str:
 
 
 def memory_range(result: dict) -> str:
-    ran = [r for r in labelled(result, MEMORY_LABELS) if r[1].get("peak_allocated_gib")]
+    ran = [r for r in labelled(result, MEMORY_ROWS) if r[1].get("peak_allocated_gib")]
     first, last = ran[0][1]["peak_allocated_gib"], ran[-1][1]["peak_allocated_gib"]
     return f"from {first:.1f} GiB to {last:.1f} GiB per GPU"
 
 
 def _xl_rows(result: dict) -> tuple[list[tuple[str, dict]], dict]:
-    rows = labelled(result, XL_LABELS)
+    rows = labelled(result, XL_ROWS)
     return rows, next(r for r in result["steps"] if r["name"] == XL_REFERENCE)
 
 
@@ -221,7 +204,7 @@ def scaling(result: dict) -> str:
         efficiency = _num(row.get("efficiency"), ".3f")
         if row["status"] != "ok":
             efficiency = row["status"]
-        cells.append([f"`{row['name']}`: {row['what']}", ladder_table.gpus_label(row)])
+        cells.append([caption(row), ladder_table.gpus_label(row)])
         cells[-1] += [_num(row.get("tokens_per_sec"), ",.0f"), _interval(row)]
         cells[-1] += [str(row.get("repeats", MISSING)), efficiency]
         cells[-1].append(_num(row.get("peak_allocated_gib"), ".2f"))
@@ -271,7 +254,13 @@ def load(path: Path) -> dict:
         raise SystemExit(f"render_readme.py: {path} not found: fix the path in its README marker")
     if path.name.startswith("vs_nanogpt"):
         return vs_nanogpt.load(path)  # either schema
-    return json.loads(path.read_text())
+    result = json.loads(path.read_text())
+    if (ladders.CONF / "ladder" / f"{path.stem}.yaml").exists():  # a ladder's: its yaml's captions
+        what = {plan["name"]: plan["what"] for plan in ladders.step_plans(ladders.read(path.stem))}
+        for row in result["steps"]:
+            row["what"] = what.get(row["name"])  # a step no longer in the yaml has none
+            row["ladder"] = path.stem
+    return result
 
 
 def render(text: str, root: Path = ROOT) -> str:
