@@ -54,10 +54,6 @@ GIB = 2**30
 # measured rows: the median of measured / modelled - 1 over the --validate rows (1.8%).
 SLACK = 0.018
 MOMENTS = ("forward", "loss_backward", "backward", "backward_end", "step")
-CATEGORIES = (
-    "weights", "gradients", "optimizer_state", "activations", "logits_loss", "autocast_copies",
-    "comm_buckets", "slack",
-)  # fmt: skip
 
 # ---- the inputs: the stage plan, the model's shapes
 
@@ -412,6 +408,7 @@ def comm_buckets(s: Shapes, u: Setup) -> dict[str, float]:
 PARTS = (
     weights, gradients, optimizer_state, activations, logits_loss, autocast_copies, comm_buckets,
 )  # fmt: skip
+CATEGORIES = (*(part.__name__ for part in PARTS), "slack")  # a prediction's, in this order
 
 
 @dataclass
