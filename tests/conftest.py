@@ -4,7 +4,6 @@ a few tiny training-run settings that take seconds on a CPU."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -13,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,11 +35,6 @@ os.environ["WANDB_SILENT"] = "true"
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-SCRIPTS = ROOT / "scripts"
-# Run as a file, a script finds the sibling scripts it imports (ablate.py: ladder_profile) in its
-# own folder, first on sys.path; the tests import scripts, so that folder goes on the path too,
-# after the installed packages, so that no script shadows one.
-sys.path.append(str(SCRIPTS))
 
 # A 2-layer, 32-wide GPT on 32-token windows: a training step takes ~50 ms on a CPU.
 TINY = [
@@ -49,15 +42,6 @@ TINY = [
     "train.batch_size=4", "train.warmup_steps=2", "train.eval_sequences=8",
     "sample.num_samples=1", "sample.max_new_tokens=4", "wandb.mode=offline", "device=cpu",
 ]  # fmt: skip
-
-
-def load_script(name: str) -> types.ModuleType:
-    """scripts/<name>.py as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    assert spec and spec.loader, name
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_cfg(*overrides: str) -> DictConfig:

@@ -6,7 +6,6 @@ leaves no process behind."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import re
@@ -16,42 +15,34 @@ import time
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 from conftest import ROOT, python
-
-spec = importlib.util.spec_from_file_location("ablate", ROOT / "scripts/ablate.py")
-ablate = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-spec.loader.exec_module(ablate)
-
-
-def _ladder(name: str):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ablate.CONF), version_base="1.3"):
-        return compose("ablate", overrides=[f"ladder={name}"]).ladder
+from measure import ablate, ladder_results, ladder_table, ladders, runner, stats
+from recipe.errors import ConfigError
 
 
 @pytest.mark.parametrize("name", ["speed", "memory_xl"])
 def test_a_gpu_ladder_without_a_gpu_is_refused_naming_the_quick_ladder(monkeypatch, name) -> None:
-    monkeypatch.setattr(ablate.torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ablate.recipe.errors.ConfigError, match=f"^ladder={name} measures") as e:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=f"^ladder={name} measures") as e:
         ablate.main([f"ladder={name}"])  # before any step runs
     assert "use ladder=quick, sized for a CPU" in str(e.value)
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (ablate.CONF / "ladder").glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ladders.CONF / "ladder").glob("*.yaml")))
 def test_every_ladder_composes_into_valid_train_configs(name: str) -> None:
     from conftest import make_cfg
 
-    ladder = _ladder(name)
-    for plan in ablate.step_plans(ladder):
+    ladder = ladders.read(name)
+    for plan in ladders.step_plans(ladder):
         stages = [f"+opt=[{','.join(plan['stages'])}]"] if plan["stages"] else []
         cfg = make_cfg(*ladder.workload, *stages, *plan["overrides"])  # fails on a bad override
         assert list(cfg.opt) == plan["stages"]
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (ablate.CONF / "ladder").glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ladders.CONF / "ladder").glob("*.yaml")))
 def test_every_ladder_step_is_planned_on_its_process_count(name: str) -> None:
     """Each step's stages accept its model and its GPUs (a tp degree that splits the heads, a
     process count that pp x tp divides, micro-batches that divide the batch)."""
@@ -59,8 +50,8 @@ def test_every_ladder_step_is_planned_on_its_process_count(name: str) -> None:
 
     from conftest import planned
 
-    ladder = _ladder(name)
-    for plan in ablate.step_plans(ladder):
+    ladder = ladders.read(name)
+    for plan in ladders.step_plans(ladder):
         stages = [f"+opt=[{','.join(plan['stages'])}]"] if plan["stages"] else []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. +opt=ddp's "no effect in one process"
@@ -68,7 +59,7 @@ def test_every_ladder_step_is_planned_on_its_process_count(name: str) -> None:
 
 
 def test_cumulative_ladders_keep_earlier_steps() -> None:
-    plans = ablate.step_plans(_ladder("speed"))
+    plans = ladders.step_plans(ladders.read("speed"))
     assert plans[0]["stages"] == [] and plans[1]["stages"] == ["bs"]
     memmap, last = (next(p for p in plans if p["name"] == n) for n in ("memmap", "bs64"))
     assert memmap["stages"] == ["bs", "workers", "non_blocking", "compile", "amp", "tf32", "fused"]
@@ -77,7 +68,7 @@ def test_cumulative_ladders_keep_earlier_steps() -> None:
     assert last["overrides"][-2:] == ["opt.amp.residual=compute", "opt.bs.batch_size=64"]
     assert "opt.amp.dtype=bfloat16" in last["overrides"]
     assert [p["name"] for p in plans][-2:] == ["ddp", "multi_node"]
-    alone = ablate.step_plans(_ladder("stages"))
+    alone = ladders.step_plans(ladders.read("stages"))
     assert all(len(p["stages"]) <= 1 for p in alone)
 
 
@@ -119,7 +110,7 @@ def test_quick_ladder_publishes_and_survives_failed_steps(tmp_path) -> None:
         "ladder.steps.2.overrides=['model.n_embd=4000000','model.n_head=1']",  # 0.8 TB of embedding
         "+ladder.steps.3.overrides=['model.n_head=3']",  # 128 wide is not divisible by 3 heads
     )
-    folder = tmp_path / "results" / ablate.slug(ablate.device_name())
+    folder = tmp_path / "results" / ladder_results.slug(ablate.device_name())
     result = json.loads((folder / "quick.json").read_text())
     statuses = [row["status"] for row in result["steps"]]
     assert statuses == ["ok", "ok", "oom", "failed", "ok", "ok"]
@@ -145,7 +136,7 @@ def test_quick_ladder_publishes_and_survives_failed_steps(tmp_path) -> None:
 
 
 def test_multi_process_steps_and_base_stages() -> None:
-    plans = {p["name"]: p for p in ablate.step_plans(_ladder("scaling"))}
+    plans = {p["name"]: p for p in ladders.step_plans(ladders.read("scaling"))}
     base = ["non_blocking", "compile", "amp", "fused", "tf32"]
     assert plans["one_gpu"]["stages"] == base and plans["fsdp"]["stages"] == [*base, "fsdp"]
     assert (plans["two_nodes"]["gpus"], plans["two_nodes"]["nnodes"]) == (2, 2)
@@ -160,7 +151,7 @@ def test_multi_process_steps_and_base_stages() -> None:
         "train.batch_size=16",
         "opt.tp.degree=4",
     ]
-    speed = ablate.step_plans(_ladder("speed"))
+    speed = ladders.step_plans(ladders.read("speed"))
     assert [(p["name"], p["gpus"]) for p in speed[-2:]] == [("ddp", 2), ("multi_node", 2)]
 
 
@@ -174,8 +165,8 @@ def test_memory_xl_rows_drop_what_cannot_combine_and_keep_16k_tokens() -> None:
     from conftest import make_cfg
     from recipe.distributed import Distributed
 
-    ladder = _ladder("memory_xl")
-    plans = {p["name"]: p for p in ablate.step_plans(ladder)}
+    ladder = ladders.read("memory_xl")
+    plans = {p["name"]: p for p in ladders.step_plans(ladder)}
     assert ladder.reference == "ac" and plans["ac"]["stages"] == ["amp", "fused", "ac"]
     assert "opt_in_backward" not in plans["offload"]["stages"]
     assert {"offload", "fused"}.isdisjoint(plans["lowbit"]["stages"])
@@ -200,7 +191,8 @@ def test_a_reference_row_is_compared_in_memory_and_speed() -> None:
         {"index": 2, "name": "small", "what": "", "status": "ok", "tokens_per_sec": 800.0,
          "peak_allocated_gib": 15.0},
     ]  # fmt: skip
-    table = ablate.markdown(ladder, [{**row, "command": ""} for row in rows], {"device": "GPU"})
+    rows = [{**row, "command": ""} for row in rows]
+    table = ladder_table.markdown(ladder, rows, {"device": "GPU"})
     assert "| peak memory vs `ac` | tokens/s vs `ac` |" in table
     assert "| -50% | -50% | 0.80x |" in table  # vs prev, vs ac (memory), vs ac (tokens/s)
 
@@ -212,7 +204,7 @@ def test_a_step_may_drop_earlier_stages_and_their_knobs() -> None:
         {"name": "c", "opt": ["ac"]},
         {"name": "d", "opt": ["fused"], "drop": ["lowbit"]},
     ]})  # fmt: skip
-    plans = ablate.step_plans(ladder)
+    plans = ladders.step_plans(ladder)
     assert [p["stages"] for p in plans] == [
         ["amp", "fused"], ["amp", "lowbit"], ["amp", "lowbit", "ac"], ["amp", "ac", "fused"]
     ]  # fmt: skip
@@ -220,9 +212,9 @@ def test_a_step_may_drop_earlier_stages_and_their_knobs() -> None:
 
 
 def test_two_machines_are_two_agents_with_their_gpus(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(ablate, "visible_gpus", lambda: ["4", "5", "6", "7"])
-    plan = {**ablate.step_plans(_ladder("scaling"))[2], "nproc": 2, "gpus": 4}
-    agents = ablate.launches(plan, _ladder("scaling"), [], tmp_path)
+    monkeypatch.setattr(runner, "visible_gpus", lambda: ["4", "5", "6", "7"])
+    plan = {**ladders.step_plans(ladders.read("scaling"))[2], "nproc": 2, "gpus": 4}
+    agents = runner.launches(plan, ladders.read("scaling"), [], tmp_path)
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in agents] == ["4,5", "6,7"]
     assert all(env["NCCL_NVLS_ENABLE"] == "0" for _, env in agents)
     (first, _), (second, _) = agents
@@ -243,7 +235,7 @@ def test_per_gpu_efficiency_is_against_the_nearest_one_gpu_row() -> None:
         {"name": "big", "gpus": 1, "status": "oom", "tokens_per_sec": None},
         {"name": "big_tp", "gpus": 2, "status": "ok", "tokens_per_sec": 50.0},
     ]
-    done = ablate.with_efficiency(rows)
+    done = stats.with_efficiency(rows)
     assert [r["efficiency"] for r in done] == [1.0, 0.95, None, 1.0, 0.75, None, None, None]
     assert [r["efficiency_vs"] for r in done] == ["a", "a", None, "c", "c", None, None, None]
 
@@ -266,7 +258,7 @@ def test_the_baseline_row_is_not_compared_with_itself() -> None:
             "call": "c",
         },
     ]
-    done = ablate.with_ratios(ladder, rows)
+    done = stats.with_ratios(ladder, rows)
     assert done[0]["ratio"] is None and done[0]["within_noise"] is None
     assert done[1]["ratio"] == pytest.approx(1.9104, abs=1e-4) and done[1]["ratio_vs"] == "one_gpu"
 
@@ -281,8 +273,8 @@ def test_a_later_calls_efficiency_is_against_that_calls_own_one_gpu_run() -> Non
         {"name": "fsdp4", "gpus": 4, "status": "ok", "tokens_per_sec": 360.0, "call": "c3"},
     ]
     anchor = {"name": "one_gpu", "status": "ok", "tokens_per_sec": 125.0, "call": "c2"}
-    segments = [{"call": "c1", "anchor": None}, {"call": "c2", "anchor": anchor}]
-    done = ablate.with_efficiency(rows, segments)
+    segments: list[dict] = [{"call": "c1", "anchor": None}, {"call": "c2", "anchor": anchor}]
+    done = stats.with_efficiency(rows, segments)
     assert [r["efficiency"] for r in done] == [1.0, 0.95, 0.8, 0.9]
     assert {r["efficiency_vs"] for r in done} == {"one_gpu"}
 
@@ -290,18 +282,15 @@ def test_a_later_calls_efficiency_is_against_that_calls_own_one_gpu_run() -> Non
 def _run_steps(tmp_path, steps: list[dict], timeout_s: int = 600) -> tuple[list[dict], Path]:
     """Runs steps on the quick ladder's workload with the harness; returns the rows and the
     folder they were published to."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ablate.CONF), version_base="1.3"):
-        cfg = compose(
-            "ablate",
-            overrides=["ladder=quick", f"timeout_s={timeout_s}", "extra=['wandb.mode=disabled']"],
-        )
+    cfg = ladders.config(
+        ["ladder=quick", f"timeout_s={timeout_s}", "extra=['wandb.mode=disabled']"]
+    )
     ladder = OmegaConf.merge(cfg.ladder, {"cumulative": False, "steps": steps})
+    assert isinstance(ladder, DictConfig)
     rows = [
-        ablate.run_step(plan, ladder, cfg, tmp_path / "runs") for plan in ablate.step_plans(ladder)
+        runner.run_step(plan, ladder, cfg, tmp_path / "runs") for plan in ladders.step_plans(ladder)
     ]
-    ablate.publish(ladder, rows, ablate.environment([]), tmp_path / "results")
+    ladder_results.publish(ladder, rows, ablate.environment([]), tmp_path / "results")
     return rows, tmp_path / "results"
 
 
@@ -356,10 +345,10 @@ def test_a_failed_step_is_reported_by_its_exception_not_by_what_follows_it() -> 
         "\x1b[1;34mwandb\x1b[0m: You can sync this run to the cloud by running:",
         "\x1b[1;34mwandb\x1b[0m: Find logs at: outputs/run/wandb/logs",
     ])  # fmt: skip
-    assert ablate.failure_reason(output) == (
+    assert runner.failure_reason(output) == (
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 12.28 GiB."
     )
-    assert ablate.failure_reason("one\n\nKilled\n") == "one | Killed"  # no exception named
+    assert runner.failure_reason("one\n\nKilled\n") == "one | Killed"  # no exception named
 
 
 def _results_with(**changes: object) -> str:

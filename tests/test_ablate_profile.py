@@ -11,11 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import ROOT, load_script
-
-ablate = load_script("ablate")
-ladder_profile = load_script("ladder_profile")
-step_budget = load_script("step_budget")
+from conftest import ROOT
+from measure import ablate, ladder_chart, ladder_profile, ladder_results, runner, step_budget
 
 SPEED = {"baseline": [100.0, 110.0], "bs": [200.0, 210.0], "workers": [201.0, 205.0]}
 MATMUL_US = {"baseline": 40_000, "bs": 30_000, "workers": 30_300}  # per step
@@ -138,12 +135,12 @@ class FakeRuns:
 
 
 def _ablate(monkeypatch, tmp_path, fake: FakeRuns, *args: str):
-    monkeypatch.setattr(ablate, "launch", fake)
-    monkeypatch.setattr(ablate, "chart", lambda *args: None)
+    monkeypatch.setattr(runner, "launch", fake)
+    monkeypatch.setattr(ladder_chart, "chart", lambda *args: None)
     argv = ["ladder=quick", f"out_dir={tmp_path / 'results'}", f"runs_dir={tmp_path / 'runs'}",
             "steps=[baseline,bs,workers]", *args]  # fmt: skip
     rows = ablate.main(argv)
-    folder = tmp_path / "results" / ablate.slug(ablate.device_name())
+    folder = tmp_path / "results" / ladder_results.slug(ablate.device_name())
     return rows, json.loads((folder / "quick.json").read_text()), (folder / "quick.md").read_text()
 
 

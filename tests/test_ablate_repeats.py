@@ -5,20 +5,18 @@ nor a failing chart stops the ladder."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from conftest import ROOT
+from measure import ablate, ladder_chart, ladder_results, ladders, runner, stats
 from recipe.errors import ConfigError
 
-spec = importlib.util.spec_from_file_location("ablate", ROOT / "scripts/ablate.py")
-ablate = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-spec.loader.exec_module(ablate)
-chart = ablate.chart  # the real one, which most tests here replace (a second per run)
+chart = ladder_chart.chart  # the real one, which most tests here replace (a second per run)
 
 QUICK = ["baseline", "bs", "workers", "accum", "ac", "forloop"]
 # Tokens/s per step and repeat: bs doubles the baseline, workers is within bs's noise.
@@ -78,13 +76,13 @@ class FakeRuns:
 def _ablate(monkeypatch, tmp_path, fake: FakeRuns, *args: str, draw: bool = False):
     """`python scripts/ablate.py ladder=quick <args>` with fake runs; the chart, redrawn after
     every run (a second each), only when `draw`."""
-    monkeypatch.setattr(ablate, "launch", fake)
+    monkeypatch.setattr(runner, "launch", fake)
     if not draw:
-        monkeypatch.setattr(ablate, "chart", lambda *args: None)
+        monkeypatch.setattr(ladder_chart, "chart", lambda *args: None)
     argv = ["ladder=quick", f"out_dir={tmp_path / 'results'}", f"runs_dir={tmp_path / 'runs'}",
             *args]  # fmt: skip
     rows = ablate.main(argv)
-    folder = tmp_path / "results" / ablate.slug(ablate.device_name())
+    folder = tmp_path / "results" / ladder_results.slug(ablate.device_name())
     return rows, json.loads((folder / "quick.json").read_text()), folder
 
 
@@ -98,7 +96,7 @@ def test_repeats_run_interleaved_and_rows_carry_medians_intervals_and_noise(
     assert bs["repeats"] == 3 and bs["tokens_per_sec_runs"] == [200.0, 210.0, 190.0]
     assert bs["tokens_per_sec"] == 200.0 and bs["interval"] == [190.0, 210.0]
     assert 190.0 <= bs["ci95"][0] <= bs["ci95"][1] <= 210.0
-    assert bs["ci95"] == ablate.bootstrap_ci([200.0, 210.0, 190.0])  # seeded: reproducible
+    assert bs["ci95"] == stats.bootstrap_ci([200.0, 210.0, 190.0])  # seeded: reproducible
     # Paired run by run: the median of 2.0, 210/110 and 190/90.
     assert bs["ratio"] == 2.0 and bs["ratio_vs"] == "baseline"
     assert bs["ratio_interval"] == [round(210 / 110, 4), round(190 / 90, 4)]
@@ -125,14 +123,14 @@ def test_repeats_run_interleaved_and_rows_carry_medians_intervals_and_noise(
 
 def test_repeats_come_from_the_command_line_the_ladder_or_the_device(monkeypatch) -> None:
     ladder = OmegaConf.create({"name": "x"})
-    assert ablate.repeat_count(OmegaConf.create({"repeats": 5}), ladder) == 5
-    assert ablate.repeat_count(OmegaConf.create({}), OmegaConf.create({"repeats": 2})) == 2
-    monkeypatch.setattr(ablate.torch.cuda, "is_available", lambda: True)
-    assert ablate.repeat_count(OmegaConf.create({"repeats": None}), ladder) == 3
-    monkeypatch.setattr(ablate.torch.cuda, "is_available", lambda: False)
-    assert ablate.repeat_count(OmegaConf.create({"repeats": None}), ladder) == 1
+    assert ladders.repeat_count(OmegaConf.create({"repeats": 5}), ladder) == 5
+    assert ladders.repeat_count(OmegaConf.create({}), OmegaConf.create({"repeats": 2})) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ladders.repeat_count(OmegaConf.create({"repeats": None}), ladder) == 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ladders.repeat_count(OmegaConf.create({"repeats": None}), ladder) == 1
     with pytest.raises(ConfigError, match="repeats=0: give a whole number"):
-        ablate.repeat_count(OmegaConf.create({"repeats": 0}), ladder)
+        ladders.repeat_count(OmegaConf.create({"repeats": 0}), ladder)
 
 
 def test_one_run_per_step_judges_no_noise(monkeypatch, tmp_path) -> None:
@@ -212,14 +210,14 @@ def test_a_run_whose_loss_ends_far_above_its_lowest_is_marked_diverged(
 
 def test_loss_rise_reads_a_runs_metrics_and_survives_what_a_killed_run_leaves(tmp_path) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    assert ablate.loss_rise(metrics) is None  # no file: a run that never started
+    assert runner.loss_rise(metrics) is None  # no file: a run that never started
     metrics.write_text('{"step": 10, "train/loss": 6.0}\n{"step": 20, "val/loss": 9.0}\n')
-    assert ablate.loss_rise(metrics) is None  # one training loss: nothing to compare
+    assert runner.loss_rise(metrics) is None  # one training loss: nothing to compare
     metrics.write_text(
         '{"step": 10, "train/loss": 8.0}\n{"step": 20, "train/loss": 5.0}\n'
         '{"step": 30, "train/loss": 6.0}\n{"step": 40, "train/lo'  # cut mid-line
     )
-    assert ablate.loss_rise(metrics) == 0.2
+    assert runner.loss_rise(metrics) == 0.2
 
 
 def test_an_explicit_anchor_and_its_mistakes(monkeypatch, tmp_path) -> None:
@@ -278,11 +276,15 @@ def test_steps_too_short_for_p10_p90_still_chart(monkeypatch, tmp_path) -> None:
     rows, result, folder = _ablate(monkeypatch, tmp_path, fake, "steps=[baseline,bs]", draw=True)
     assert len(fake.order) == 2 and result["report_errors"] == []
     assert (folder / "quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert ablate._error_bar({"tokens_per_sec": 100.0, "tokens_per_sec_p10": None}) == (0, 0)
+    assert ladder_chart._error_bar({"tokens_per_sec": 100.0, "tokens_per_sec_p10": None}) == (0, 0)
     ladder = OmegaConf.create({"name": "empty", "focus": "speed", "cumulative": True})
-    assert ablate.publish(ladder, [], {"device": "CPU"}, tmp_path / "empty") == []  # anchor only
+    assert (
+        ladder_results.publish(ladder, [], {"device": "CPU"}, tmp_path / "empty") == []
+    )  # anchor only
     # A p10 above the median of the repeats reaches no lower than the bar.
-    assert ablate._error_bar({"tokens_per_sec": 1e3, "repeats": 2, "interval": [1.2e3, 2e3]}) == (
+    assert ladder_chart._error_bar(
+        {"tokens_per_sec": 1e3, "repeats": 2, "interval": [1.2e3, 2e3]}
+    ) == (
         0.0,
         1.0,
     )
@@ -292,12 +294,12 @@ def test_a_failing_chart_does_not_stop_the_ladder(monkeypatch, tmp_path) -> None
     def broken(*args, **kwargs):
         raise ValueError("'yerr' must not contain negative values")
 
-    monkeypatch.setattr(ablate, "chart", broken)
+    monkeypatch.setattr(ladder_chart, "chart", broken)
     fake = FakeRuns()
     with pytest.raises(SystemExit, match="some results were not written: .*chart: ValueError"):
         _ablate(monkeypatch, tmp_path, fake, draw=True)  # with the broken chart
     assert len(fake.order) == 6  # every step ran
-    folder = tmp_path / "results" / ablate.slug(ablate.device_name())
+    folder = tmp_path / "results" / ladder_results.slug(ablate.device_name())
     result = json.loads((folder / "quick.json").read_text())
     assert [r["status"] for r in result["steps"]] == ["ok"] * 6
     assert result["report_errors"] == ["chart: ValueError: 'yerr' must not contain negative values"]
@@ -305,30 +307,27 @@ def test_a_failing_chart_does_not_stop_the_ladder(monkeypatch, tmp_path) -> None
 
 
 def test_failure_reasons_name_the_cause_not_hydras_search_path() -> None:
-    assert ablate.failure_reason(HYDRA_MISSING) == "In 'config': Could not find 'opt/xyz'"
+    assert runner.failure_reason(HYDRA_MISSING) == "In 'config': Could not find 'opt/xyz'"
     override = (
         "Could not override 'opt.nope'.\nTo append to your config use +opt.nope=3\n"
         "Key 'nope' is not in struct\n    full_key: opt.nope\n    object_type=dict\n\n"
         "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
     )
-    reason = ablate.failure_reason(override)
+    reason = runner.failure_reason(override)
     assert reason.startswith("Could not override 'opt.nope'. | To append to your config use")
     assert "HYDRA_FULL_ERROR" not in reason
 
 
-LADDERS = {p.stem for p in (ablate.CONF / "ladder").glob("*.yaml")}
+LADDERS = {p.stem for p in (ladders.CONF / "ladder").glob("*.yaml")}
 PUBLISHED = sorted(p for p in (ROOT / "docs/results").glob("*/*.json") if p.stem in LADDERS)
 
 
 @pytest.mark.parametrize("path", PUBLISHED, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_published_ladders_still_render(tmp_path, path: Path) -> None:
     """Results written before repeats (one number per row, no segments) render as before."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ablate.CONF), version_base="1.3"):
-        ladder = compose("ablate", overrides=[f"ladder={path.stem}"]).ladder
+    ladder = ladders.read(path.stem)
     result = json.loads(path.read_text())
-    errors = ablate.publish(ladder, result["steps"], result["environment"], tmp_path)
+    errors = ladder_results.publish(ladder, result["steps"], result["environment"], tmp_path)
     assert errors == []
     assert (tmp_path / f"{path.stem}.md").read_text().count("\n| ") >= len(result["steps"])
 
@@ -338,7 +337,7 @@ def test_rows_from_before_call_ids_are_one_call_only_at_one_commit() -> None:
     commit (another machine, perhaps) is compared across calls, as the README marks it."""
     row = {"name": "b", "status": "ok", "tokens_per_sec": 100.0, "git_commit": "aaa"}
     before = {"name": "a", "status": "ok", "tokens_per_sec": 50.0, "git_commit": "aaa"}
-    same = ablate.speed_ratio(row, before, {})
+    same = stats.speed_ratio(row, before, {})
     assert same is not None and same["interval"] == [2.0, 2.0] and not same["across_calls"]
-    across = ablate.speed_ratio(row, {**before, "git_commit": "bbb"}, {})
+    across = stats.speed_ratio(row, {**before, "git_commit": "bbb"}, {})
     assert across is not None and across["across_calls"] and across["interval"] is None

@@ -12,10 +12,9 @@ from pathlib import Path
 import matplotlib.figure
 import pytest
 
-from conftest import ROOT, load_script
+from conftest import ROOT
+from measure import ablate, ladder_chart, ladders, quality
 
-ablate = load_script("ablate")
-quality = load_script("quality")
 H100 = ROOT / "docs" / "results" / "nvidia-h100-80gb-hbm3"
 
 
@@ -25,13 +24,6 @@ def figures(monkeypatch) -> list[matplotlib.figure.Figure]:
     saved: list[matplotlib.figure.Figure] = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
     return saved
-
-
-def _ladder(name: str):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ablate.CONF), version_base="1.3"):
-        return compose("ablate", overrides=[f"ladder={name}"]).ladder
 
 
 def test_the_quality_chart_names_both_configurations_and_draws_the_gap_band(figures) -> None:
@@ -51,7 +43,9 @@ def test_the_quality_chart_names_both_configurations_and_draws_the_gap_band(figu
 
 def test_the_memory_xl_chart_draws_its_target(figures) -> None:
     result = json.loads((H100 / "memory_xl.json").read_text())
-    ablate.chart(_ladder("memory_xl"), result["steps"], result["environment"], Path("unused"))
+    ladder_chart.chart(
+        ladders.read("memory_xl"), result["steps"], result["environment"], Path("unused")
+    )
     memory = figures[0].axes[1]
     assert [line.get_ydata()[0] for line in memory.get_lines()] == [20]
     assert "target: 20 GiB" in [t.get_text() for t in memory.get_legend().get_texts()]
@@ -60,7 +54,7 @@ def test_the_memory_xl_chart_draws_its_target(figures) -> None:
 def test_a_ladder_without_memory_numbers_draws_no_memory_panel(figures) -> None:
     rows = [{"index": i, "name": n, "status": "ok", "tokens_per_sec": 100.0 * (i + 1)}
             for i, n in enumerate(("baseline", "bs"))]  # fmt: skip
-    ablate.chart(_ladder("quick"), rows, {"device": "CPU"}, Path("unused"))
+    ladder_chart.chart(ladders.read("quick"), rows, {"device": "CPU"}, Path("unused"))
     assert len(figures[0].axes) == 1
 
 

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import opt
 from conftest import ROOT, compiled_against_eager, logged, make_cfg, python, tiny_cfg, toy_gpt
 from kernels import linear_cross_entropy
+from measure import bench_head
 from model import GPT
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
@@ -281,11 +282,8 @@ def test_compiled_training_with_the_stage_matches_eager(tmp_path) -> None:
 
 
 def test_the_benchmark_harness_runs_and_reports(tmp_path) -> None:
-    """scripts/bench_head.py is a GPU benchmark; on the CPU its harness (variants, errors against
+    """measure/bench_head.py is a GPU benchmark; on the CPU its harness (variants, errors against
     the plain head in float32, reports, a failing variant recorded rather than fatal) still runs."""
-    spec = importlib.util.spec_from_file_location("bench_head", ROOT / "scripts/bench_head.py")
-    bench_head = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(bench_head)
     argv = ["--out", str(tmp_path), "--device", "cpu", "--tokens", "16", "--width", "8",
             "--repeats", "1", "--no-compile"]  # fmt: skip
     report = bench_head.main(argv)

@@ -13,6 +13,7 @@ import torch
 import data
 import opt
 from conftest import compiled_against_eager, make_cfg, tiny_cfg
+from measure import step_budget
 from model import GPT, GPTConfig
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
@@ -148,9 +149,6 @@ def test_prof_trace_of_the_kernels_only(tmp_path) -> None:
     step_budget splits it over the active steps (first to last kernel)."""
     import json
 
-    from conftest import load_script
-
-    step_budget = load_script("step_budget")
     overrides = ("train.max_steps=8", "+prof=trace", "prof.trace.wait=2", "prof.trace.warmup=1",
                  "prof.trace.active=2", "prof.trace.cpu=false")  # fmt: skip
     train(tiny_cfg(*GPU_ARGS, *overrides), tmp_path)

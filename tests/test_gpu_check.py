@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import torch
-from hydra import compose, initialize_config_dir
 
 import opt
 from conftest import ROOT, make_cfg, python
+from measure import gpu_check, ladders
 from recipe import config
 from recipe.distributed import Distributed
-
-sys.path.append(str(ROOT / "scripts"))  # after the installed packages: no script shadows one
-import gpu_check  # noqa: E402
 
 PASSED = gpu_check.PytestRun(0, {"passed": 26, "skipped": 1})
 FAILED = gpu_check.PytestRun(1, {"failed": 1, "passed": 25, "skipped": 1})
@@ -128,7 +124,7 @@ def test_a_first_run_needs_accept_then_check_json_is_the_reference(
 def test_without_a_gpu_it_refuses_in_one_line() -> None:
     done = subprocess.run(
         [python(), "scripts/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
-        env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
+        env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("gpu_check.py: no CUDA GPU")
@@ -138,9 +134,8 @@ def test_without_a_gpu_it_refuses_in_one_line() -> None:
 
 
 def test_the_smoke_ladder_has_three_valid_rows() -> None:
-    with initialize_config_dir(config_dir=str(ROOT / "conf/ablate"), version_base="1.3"):
-        ladder = compose("ablate", overrides=["ladder=smoke"]).ladder
-    plans = gpu_check.ablate.step_plans(ladder)
+    ladder = ladders.read("smoke")
+    plans = ladders.step_plans(ladder)
     assert [p["name"] for p in plans] == ["baseline", "custom_op", "ac"]
     cpu = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     for plan in plans:  # each row composes and plans as train.py would (on a CPU here)

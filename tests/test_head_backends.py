@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 import opt
-from conftest import ROOT, custom_op_knobs, load_script, logged, python, tiny_cfg, toy_gpt
+from conftest import ROOT, custom_op_knobs, logged, python, tiny_cfg, toy_gpt
 from kernels import library_heads, linear_cross_entropy
+from measure import bench_head
 from model import GPT
 from opt.custom_op import check_custom_op
 from recipe.distributed import Distributed
@@ -224,8 +225,7 @@ def test_the_real_libraries_give_the_plain_heads_numbers_on_cpu() -> None:
 
 def test_bench_head_writes_a_not_installed_row_for_a_missing_library(monkeypatch) -> None:
     _not_installed(monkeypatch, "liger")
-    bench = load_script("bench_head")
-    _, absent = bench.library_variants()
+    _, absent = bench_head.library_variants()
     row = next(r for r in absent if r["backend"] == "liger")
     assert row["status"] == "not installed" and "pip install liger-kernel==0.8.5" in row["detail"]
     report = {
@@ -233,26 +233,25 @@ def test_bench_head_writes_a_not_installed_row_for_a_missing_library(monkeypatch
         "commit": "x", "repeats": 1, "kernel": [],
         "head": [{"shape": "gpt2", "tokens": 8, "width": 4, **row}],
     }  # fmt: skip
-    line = [x for x in bench.markdown(report).splitlines() if x.startswith("| liger-kernel")]
+    line = [x for x in bench_head.markdown(report).splitlines() if x.startswith("| liger-kernel")]
     assert line == [f"| liger-kernel | not installed: {row['detail']} | | | | | | |"]
 
 
 def test_bench_head_times_an_installed_library_on_the_same_inputs(
     fake_libraries, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bench = load_script("bench_head")
     versions = {"liger-kernel": "0.8.5", "cut-cross-entropy": "25.1.1"}
     monkeypatch.setattr(importlib.metadata, "version", versions.__getitem__)
-    variants, absent = bench.library_variants()
+    variants, absent = bench_head.library_variants()
     assert absent == [] and [name for name, _, _ in variants] == [
         "liger-kernel 0.8.5", "cut-cross-entropy 25.1.1"
     ]  # fmt: skip
     cpu = torch.device("cpu")
-    pool = [bench.make_inputs(16, 8, cpu, seed) for seed in range(2)]
-    ref = bench.float32_reference(pool[0])
+    pool = [bench_head.make_inputs(16, 8, cpu, seed) for seed in range(2)]
+    ref = bench_head.float32_reference(pool[0])
     args = Namespace(repeats=2)
     for name, step, knobs in variants:
-        row = bench.run_variant(name, step, pool, ref, args, 1.0, cpu, **knobs)
+        row = bench_head.run_variant(name, step, pool, ref, args, 1.0, cpu, **knobs)
         assert "error" not in row and row["ms"] > 0, row
         assert max(row["rel_error"].values()) < 1e-2, row  # bfloat16 against float32
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, load_script, logged
+from conftest import ROOT, TINY, logged
 from launch.torchrun import torchrun
+from measure import ladder_results, ladders
 from train import closing_line
 
 RUN = ("train.log_interval=1", "train.eval_interval=2", "train.checkpoint_interval=2",
@@ -187,11 +188,7 @@ def test_the_readme_sweep_example_is_small() -> None:
 
 
 def test_ablate_writes_untracked_results_unless_asked_to_publish() -> None:
-    from hydra import compose, initialize_config_dir
-
-    ablate = load_script("ablate")
-    with initialize_config_dir(config_dir=str(ablate.CONF), version_base="1.3"):
-        default = compose("ablate", overrides=["ladder=quick"])
-        published = compose("ablate", overrides=["ladder=quick", "publish=true"])
-    assert ablate.results_dir(default) == Path("outputs/ablate/results")  # outputs/: gitignored
-    assert ablate.results_dir(published) == ROOT / "docs" / "results"
+    default = ladders.config(["ladder=quick"])
+    published = ladders.config(["ladder=quick", "publish=true"])
+    assert ladder_results.results_dir(default) == Path("outputs/ablate/results")  # gitignored
+    assert ladder_results.results_dir(published) == ROOT / "docs" / "results"

@@ -6,7 +6,6 @@ and does nothing."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 
 import pytest
@@ -14,23 +13,17 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import ROOT, make_cfg, tiny_run
+from measure import ablate, ladder_chart, ladder_results, ladders, runner
 from recipe import config
 from recipe.hardware import GiB, cap_memory
 
-spec = importlib.util.spec_from_file_location("ablate", ROOT / "scripts/ablate.py")
-ablate = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-spec.loader.exec_module(ablate)
-
 
 def _ladder(name: str, *overrides: str):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(ablate.CONF), version_base="1.3"):
-        return compose("ablate", overrides=[f"ladder={name}", *overrides]).ladder
+    return ladders.config([f"ladder={name}", *overrides]).ladder
 
 
 def test_memory_xl_has_rows_capped_at_22_14_and_10_gib() -> None:
-    plans = {p["name"]: p for p in ablate.step_plans(_ladder("memory_xl"))}
+    plans = {p["name"]: p for p in ladders.step_plans(_ladder("memory_xl"))}
     caps = {name: p.get("memory_cap_gib") for name, p in plans.items()}
     assert {caps["cap22"], caps["cap14"], caps["cap10"]} == {22, 14, 10}
     assert all(caps[n] is None for n in ("lowbit", "offload", "bs128"))  # not carried over
@@ -43,13 +36,13 @@ def test_memory_xl_has_rows_capped_at_22_14_and_10_gib() -> None:
     ]  # fmt: skip
     for name in ("cap22", "cap14", "cap10"):
         plan = plans[name]
-        ((command, _),) = ablate.launches(plan, _ladder("memory_xl"), [], ROOT / "runs" / name)
+        ((command, _),) = runner.launches(plan, _ladder("memory_xl"), [], ROOT / "runs" / name)
         assert f"perf.memory_cap_gib={caps[name]}" in command
         args = command[command.index("train.py") + 1 : -3]  # less run folder and wandb names
         cfg = make_cfg(*args)
         assert cfg.perf.memory_cap_gib == caps[name]
         assert cfg.train.batch_size * cfg.model.block_size == 16 * 1024
-    ((command, _),) = ablate.launches(plans["bs128"], _ladder("memory_xl"), [], ROOT / "r")
+    ((command, _),) = runner.launches(plans["bs128"], _ladder("memory_xl"), [], ROOT / "r")
     assert not any(a.startswith("perf.memory_cap_gib") for a in command)
 
 
@@ -61,14 +54,14 @@ def test_a_capped_step_records_its_cap_in_every_result(monkeypatch, tmp_path) ->
         tps = 100.0
         return "ok", "", {"perf/tokens_per_sec": tps, "mem/peak_allocated_gib": 1.0}
 
-    monkeypatch.setattr(ablate, "launch", fake)
-    monkeypatch.setattr(ablate, "chart", lambda *args: None)
+    monkeypatch.setattr(runner, "launch", fake)
+    monkeypatch.setattr(ladder_chart, "chart", lambda *args: None)
     ablate.main(["ladder=quick", "+ladder.steps.1.memory_cap_gib=6", "steps=[baseline,bs]",
                  f"out_dir={tmp_path}", f"runs_dir={tmp_path / 'runs'}"])  # fmt: skip
     assert "perf.memory_cap_gib=6" in commands[1] and not any(
         a.startswith("perf.memory_cap_gib") for a in commands[0]
     )
-    folder = tmp_path / ablate.slug(ablate.device_name())
+    folder = tmp_path / ladder_results.slug(ablate.device_name())
     rows = {r["name"]: r for r in json.loads((folder / "quick.json").read_text())["steps"]}
     assert rows["bs"]["memory_cap_gib"] == 6 and "memory_cap_gib" not in rows["baseline"]
     assert "perf.memory_cap_gib=6" in rows["bs"]["command"]
@@ -86,7 +79,7 @@ def test_a_run_over_its_cap_is_classified_out_of_memory() -> None:
         "process has 19.05 GiB memory in use. Of the allocated memory 13.35 GiB is allocated by "
         "PyTorch, with 14.00 GiB allowed"
     )
-    assert ablate.OOM.search(message)
+    assert runner.OOM.search(message)
 
 
 def test_the_cap_sets_the_process_fraction_on_a_gpu(monkeypatch) -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import pickle
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import ROOT, python
+from measure import memory_peak
 
 
 def _memory_peak(path: Path) -> subprocess.CompletedProcess:
@@ -62,13 +62,12 @@ def test_memory_peak_refuses_a_pickle_that_would_run_code(tmp_path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_memory_peak_reads_a_real_cuda_snapshot(tmp_path) -> None:
     """The restricted unpickler accepts what torch really writes (plain data only)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from memory_peak import load_snapshot, peak
 
     torch.cuda.memory._record_memory_history(max_entries=1000)
     x = torch.randn(1024, 1024, device="cuda")
     (x @ x).sum().item()
     torch.cuda.memory._dump_snapshot(str(tmp_path / "snapshot.pickle"))
     torch.cuda.memory._record_memory_history(enabled=None)
-    top, sites = peak(load_snapshot(tmp_path / "snapshot.pickle"), torch.cuda.current_device())
+    snapshot = memory_peak.load_snapshot(tmp_path / "snapshot.pickle")
+    top, sites = memory_peak.peak(snapshot, torch.cuda.current_device())
     assert top >= 4 * 2**20 and sites

@@ -1,11 +1,11 @@
-"""scripts/plan_memory.py: every measured ok row of the memory ladders predicted within 10% from
-shapes and stages alone, the published table current, one JSON object per prediction, --fit's
-candidates fastest first with commands that plan the same, a bad override refused in one line,
-and a prediction in seconds on a CPU."""
+"""scripts/plan_memory.py (measure/plan_memory.py, its model measure/memory_model.py): every
+measured ok row of the memory ladders predicted within 10% from shapes and stages alone, the
+published table current, one JSON object per prediction, --fit's candidates fastest first with
+commands that plan the same, a bad override refused in one line, a stage the model does not
+cover refused, and a prediction in seconds on a CPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -16,12 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT, python
-
-# Registered in sys.modules: its dataclasses resolve their annotations through it.
-spec = importlib.util.spec_from_file_location("plan_memory", ROOT / "scripts/plan_memory.py")
-plan_memory = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-sys.modules["plan_memory"] = plan_memory
-spec.loader.exec_module(plan_memory)
+from measure import memory_model, plan_memory
 
 ROWS = [
     (gpu, ladder, row["name"])
@@ -64,10 +59,10 @@ def test_json_has_the_peak_every_category_and_the_phase_in_seconds() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert time.perf_counter() - started < 60  # seconds, no GPU (~5 s of CPU)
     out = json.loads(done.stdout)
-    assert set(out) == {"peak_gib", *plan_memory.CATEGORIES, "phase", "moment", "sets_peak"}
+    assert set(out) == {"peak_gib", *memory_model.CATEGORIES, "phase", "moment", "sets_peak"}
     assert out["phase"] in ("forward", "backward", "step")
-    assert out["sets_peak"] in plan_memory.CATEGORIES
-    parts = sum(out[c] for c in plan_memory.CATEGORIES)
+    assert out["sets_peak"] in memory_model.CATEGORIES
+    parts = sum(out[c] for c in memory_model.CATEGORIES)
     assert out["peak_gib"] == pytest.approx(parts, abs=0.01)
     block = (12 * 1600**2 + 13 * 1600) * 4 / 2**30  # GPT-2 XL's block, float32: 0.115 GiB
     assert out["gradients"] == pytest.approx(block, abs=0.001)  # opt_in_backward: one block's
@@ -137,8 +132,8 @@ def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
         (["--fit"], "budget=22GiB"),
         (["--jsn"], "unknown flag"),
         # Not modelled: refused rather than planned as DDP (which it once was, silently).
-        (["model=gpt2-large", "+opt=[tp,amp]", "nproc=2"], "+opt=tp is not planned yet"),
-        (["+opt=[pp,fsdp]", "nproc=4"], "+opt=pp is not planned yet"),
+        (["model=gpt2-large", "+opt=[tp,amp]", "nproc=2"], "+opt=tp is not modelled"),
+        (["+opt=[pp,fsdp]", "nproc=4"], "+opt=pp is not modelled"),
     ],
 )
 def test_a_bad_override_is_refused_in_one_line(args: list[str], expected: str, monkeypatch) -> None:
@@ -167,8 +162,27 @@ def test_hsdp_shards_over_one_replica() -> None:
     """Under HSDP (opt.fsdp.replicas) each rank holds 1/shards of the weights and AdamW's
     state: 2 replicas x 2 shards hold twice FSDP-over-4's share."""
     shared = ["model=gpt2-xl", "+opt=[amp,fsdp]", "nproc=4"]
-    over_four = plan_memory.predict(*plan_memory.compose(shared)[:2]).as_dict()
-    hsdp = plan_memory.predict(*plan_memory.compose([*shared, "opt.fsdp.replicas=2"])[:2])
+    over_four = memory_model.predict(*plan_memory.compose(shared)[:2]).as_dict()
+    hsdp = memory_model.predict(*plan_memory.compose([*shared, "opt.fsdp.replicas=2"])[:2])
     for category in ("weights", "optimizer_state"):
         ratio = hsdp.as_dict()[category] / over_four[category]
         assert ratio == pytest.approx(2, rel=0.1), category
+
+
+def test_a_stage_the_model_does_not_cover_is_refused_naming_it(monkeypatch) -> None:
+    """The planner plans only the stages it lists as modelled: a stage left off the list (as a
+    stage newly added to opt/ is) is refused in one line, not planned as if it were absent."""
+    monkeypatch.setattr(memory_model, "MODELLED", memory_model.MODELLED - {"tf32"})
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts/plan_memory.py")])  # names the program
+    with pytest.raises(SystemExit) as refused:
+        plan_memory.cli(["+opt=[amp,tf32]"])
+    message = str(refused.value)
+    assert message.startswith("plan_memory.py: error: +opt=tf32 is not modelled"), message
+    assert "\n" not in message and refused.value.code == 2
+
+
+def test_the_modelled_stages_are_stages() -> None:
+    """Every name on the list is a stage of opt/: a renamed stage leaves no stale name."""
+    import opt
+
+    assert not memory_model.MODELLED - set(opt.ORDER)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_script, tiny_run
+from conftest import tiny_run
+from measure import plot
 
-plot = load_script("plot")
 RUN = ("train.max_steps=2", "train.log_interval=1", "train.eval_interval=2",
        "train.checkpoint_interval=0", "wandb.mode=disabled")  # fmt: skip
 

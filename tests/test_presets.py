@@ -14,12 +14,12 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 import opt
-from conftest import CONF, ROOT, load_script, make_cfg, python, tiny_cfg, tiny_run
+from conftest import CONF, ROOT, make_cfg, python, tiny_cfg, tiny_run
 from data.prepare import describe
 from data.sources import _text_files
+from measure import ladders
 from opt.amp import resolve_dtype
 from recipe.distributed import Distributed
 
@@ -137,11 +137,8 @@ def test_amp_keeps_the_dtype_asked_for(monkeypatch) -> None:
 
 def test_the_ladders_float16_rows_pin_float16() -> None:
     """The book's amp stage is float16: its ladder rows say so, whatever amp's default."""
-    ablate = load_script("ablate")
     for ladder in ("speed", "stages"):
-        with initialize_config_dir(config_dir=str(ablate.CONF), version_base="1.3"):
-            steps = compose("ablate", overrides=[f"ladder={ladder}"]).ladder
-        (row,) = [p for p in ablate.step_plans(steps) if p["name"] == "amp_fp16"]
+        (row,) = [p for p in ladders.step_plans(ladders.read(ladder)) if p["name"] == "amp_fp16"]
         assert "amp" in row["stages"] and row["overrides"][-1] == "opt.amp.dtype=float16"
 
 

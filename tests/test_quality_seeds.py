@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, load_script, python
-
-quality = load_script("quality")
+from conftest import ROOT, python
+from measure import quality, stats
 
 REFERENCE = [5.081, 5.090, 5.074, 5.086]
 SHIFTED = [5.121, 5.133, 5.117, 5.128]  # about 0.04 nats worse
@@ -81,10 +80,10 @@ def test_spread_and_welch_test_match_an_independent_computation(tmp_path, monkey
 
 def test_without_scipy_a_seeded_bootstrap_tests_the_difference(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "scipy", None)  # `from scipy import stats` fails
-    shifted = quality.compare(REFERENCE, SHIFTED)
-    same = quality.compare(REFERENCE, CLOSE)
+    shifted = stats.difference_of_means(REFERENCE, SHIFTED)
+    same = stats.difference_of_means(REFERENCE, CLOSE)
     assert shifted["test"] == same["test"] == "bootstrap"
-    assert shifted == quality.compare(REFERENCE, SHIFTED)  # seeded: the same answer every time
+    assert shifted == stats.difference_of_means(REFERENCE, SHIFTED)  # seeded: the same each time
     low, high = shifted["interval"]
     assert 0 < low < shifted["delta"] < high and shifted["p"] < 0.01
     low, high = same["interval"]

@@ -5,17 +5,13 @@ repeats and noise."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, fake_vs_nanogpt_result
-
-spec = importlib.util.spec_from_file_location("render_readme", ROOT / "scripts/render_readme.py")
-render_readme = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-spec.loader.exec_module(render_readme)
+from measure import ladders, render_readme
 
 README = ROOT / "README.md"
 
@@ -34,9 +30,16 @@ def test_a_number_edited_by_hand_fails_the_check(tmp_path: Path, capsys) -> None
     (tmp_path / "docs").symlink_to(ROOT / "docs")
     assert render_readme.main(["--check", "--readme", str(tmp_path / "README.md")]) == 1
     out = capsys.readouterr().out
-    assert "-| batch 64 | 541,685 |" in out and "+| batch 64 | 531,685 |" in out
+    bs64 = "| `bs64`: batch 32 -> 64: the optimizer step and the launches amortised"
+    assert f"-{bs64}" in out and "| 541,685 |" in out and "| 531,685 |" in out
     assert render_readme.main(["--readme", str(tmp_path / "README.md")]) == 0  # re-rendered
     assert (tmp_path / "README.md").read_text() == README.read_text()
+
+
+def _caption(ladder: str, name: str) -> str:
+    """A row's caption: its step's `what` in the ladder's yaml, the one place it is written."""
+    (step,) = [p for p in ladders.step_plans(ladders.read(ladder)) if p["name"] == name]
+    return f"`{name}`: {step['what']}"
 
 
 def _results(tmp_path: Path, name: str, steps: list[dict]) -> str:
@@ -65,14 +68,14 @@ def test_repeats_interval_and_noise_are_shown_and_missing_fields_are_dashes(tmp_
     path = _results(tmp_path, "speed.json", steps)
     rows = render_readme.render(_marked("speed", path), tmp_path).split("\n")
     assert rows[0] == f"before <!-- results:speed {path} -->" and rows[-1].endswith(" after")
-    assert "| memmap loader, default compile mode | 478,000 | — | — | — | 15.0 |" in rows
-    custom_op = "`custom_op`: fused head + cross-entropy, our Triton kernel"
+    assert f"| {_caption('speed', 'memmap')} | 478,000 | — | — | — | 15.0 |" in rows
+    custom_op = _caption("speed", "custom_op")
     # The harness's ratio, run by run against its neighbour: three decimals and its verdict.
     assert f"| {custom_op} | 482,000 | 480,100–483,900 | 3 | 1.008x (within noise) | 15.0 |" in rows
     # Another commit: another call, perhaps another machine; the ratio says so.
     bf16 = "| 512,000 | 510,000–514,000 | 3 | 1.06x (vs another call) | 15.0 |"
     assert any(row.endswith(bf16) for row in rows)
-    assert "| batch 64 | — | — | — | — | — |" in rows
+    assert f"| {_caption('speed', 'bs64')} | — | — | — | — | — |" in rows
     assert not any("not_in_the_readme" in r or "| 1 |" in r for r in rows)
 
 
@@ -88,10 +91,12 @@ def test_scaling_shows_every_row_with_its_gpus_efficiency_or_status(tmp_path: Pa
     ]  # fmt: skip
     path = _results(tmp_path, "scaling.json", steps)
     lines = render_readme.render(_marked("scaling", path), tmp_path).split("\n")
-    assert "| `one_gpu`: 1 GPU | 1 | 100,000 | 99,000–101,000 | 3 | 1.000 | 15.00 |" in lines
+    one_gpu, two_nodes = _caption("scaling", "one_gpu"), _caption("scaling", "two_nodes")
+    assert f"| {one_gpu} | 1 | 100,000 | 99,000–101,000 | 3 | 1.000 | 15.00 |" in lines
     # One run: no interval (its only number twice); two "machines" of one GPU each.
-    assert "| `two_nodes`: 2 x 1 | 2 x 1 | 188,000 | — | 1 | 0.940 | 15.00 |" in lines
-    assert "| `xl_pp2`: a pipeline | 2 | — | — | — | failed | — |" in lines
+    assert f"| {two_nodes} | 2 x 1 | 188,000 | — | 1 | 0.940 | 15.00 |" in lines
+    xl_pp2 = _caption("scaling", "xl_pp2")
+    assert f"| {xl_pp2} | 2 | — | — | — | failed | — |" in lines
 
 
 def test_memory_xl_is_relative_to_ac_and_marks_the_target(tmp_path: Path) -> None:
@@ -103,7 +108,7 @@ def test_memory_xl_is_relative_to_ac_and_marks_the_target(tmp_path: Path) -> Non
     ]  # fmt: skip
     path = _results(tmp_path, "memory_xl.json", steps)
     text = render_readme.render(_marked("memory_xl", path) + _marked("xl_target", path), tmp_path)
-    lowbit = render_readme.XL_LABELS["lowbit"]
+    lowbit = _caption("memory_xl", "lowbit")
     assert f"| {lowbit} | **15.10 GiB** | 21,000 | 15,000–22,000 | 3 | **0.70x** |" in text
     target = "-->15.10 GiB at 0.70x of the checkpointed bf16 run measured beside it (target: "
     assert target + "≤ 20 GiB at ≥ 0.6x), 16.00 GiB reserved<!-- /results:xl_target -->" in text
@@ -124,11 +129,10 @@ def test_a_ratio_to_the_reference_carries_that_comparisons_noise_verdict(tmp_pat
     ]  # fmt: skip
     path = _results(tmp_path, "memory_xl.json", steps)
     lines = render_readme.render(_marked("memory_xl", path), tmp_path).split("\n")
-    cap22, cap14 = render_readme.XL_LABELS["cap22"], render_readme.XL_LABELS["cap14"]
-    assert next(x for x in lines if x.startswith(f"| {cap22} |")).endswith(
+    assert next(x for x in lines if x.startswith("| `cap22`: ")).endswith(
         "| 1.000x (within noise) |"
     )
-    assert next(x for x in lines if x.startswith(f"| {cap14} |")).endswith("| 0.998x |")
+    assert next(x for x in lines if x.startswith("| `cap14`: ")).endswith("| 0.998x |")
     assert next(x for x in lines if x.startswith("| `ac`")).endswith("| 1.00x |")
 
 
@@ -180,3 +184,14 @@ def test_quality_and_checkpoint_save_sentences_come_from_their_reports(tmp_path)
     saves = {"runs": {"sync": {"held_s": {"20": 59.34, "30": 73.7}},
                       "async": {"held_s": {"20": 15.58, "30": 32.3}}}}  # fmt: skip
     assert render_readme.checkpoint_save(saves) == "15.6 s instead of 59.3 s"
+
+
+def test_a_row_whose_step_is_not_in_the_ladder_is_refused(tmp_path, monkeypatch) -> None:
+    """A caption comes from the ladder's yaml only: a row shown of a step the yaml no longer has
+    is refused, naming it, rather than shown with the results file's old caption."""
+    monkeypatch.setattr(render_readme, "XL_ROWS", (*render_readme.XL_ROWS, "gone"))
+    base = {"status": "ok", "tokens_per_sec": 1.0, "peak_allocated_gib": 1.0}
+    steps = [{**base, "name": "ac"}, {**base, "name": "gone", "what": "an old caption"}]
+    path = _results(tmp_path, "memory_xl.json", steps)
+    with pytest.raises(SystemExit, match="step gone is not in conf/ablate/ladder/memory_xl.yaml"):
+        render_readme.render(_marked("memory_xl", path), tmp_path)

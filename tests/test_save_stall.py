@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, load_script, python
+from conftest import ROOT, python
+from measure import save_stall
 
-save_stall = load_script("save_stall")
 H100 = ROOT / "docs/results/nvidia-h100-80gb-hbm3"
 
 

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from conftest import ROOT
-
-spec = importlib.util.spec_from_file_location("step_budget", ROOT / "scripts/step_budget.py")
-step_budget = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-spec.loader.exec_module(step_budget)
+from measure import step_budget
 
 
 def _kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:

@@ -1,7 +1,6 @@
 """The code's rooms (docs/layout.md): every import of every .py file, read with `ast`, goes to its
 own room or a lower one; nothing imports train.py but the tests; and no installed module or
-script inserts itself into sys.path (the package is installed; a script's own folder is first
-on sys.path already). tests/ may do both."""
+script inserts itself into sys.path (the packages are installed). tests/ may do both."""
 
 from __future__ import annotations
 
@@ -26,11 +25,11 @@ ROOMS: dict[str, int] = {
     "train": 5,  # the programs
     "sample": 5,
     "tools": 5,
-    "scripts": 6,  # benchmarks, ladders and reports, which run the programs
-    "tests": 7,
-    "conftest": 7,
+    "measure": 6,  # benchmarks, ladders and reports, which run the programs
+    "scripts": 7,  # the measuring commands' entry points
+    "tests": 8,
+    "conftest": 8,
 }
-SCRIPTS = {p.stem for p in (ROOT / "scripts").glob("*.py")}  # imported by name, as siblings
 
 
 def module_name(path: Path) -> str:
@@ -41,8 +40,6 @@ def module_name(path: Path) -> str:
 
 def room(module: str) -> int | None:
     """The room of a module of the project; None for the standard library and other packages."""
-    if module.split(".")[0] in SCRIPTS:
-        module = f"scripts.{module}"
     while module:
         if module in ROOMS:
             return ROOMS[module]
@@ -152,11 +149,13 @@ def test_every_room_s_package_is_installed_and_type_checked() -> None:
         ("recipe/x.py", "from . import generate\n", None),
         ("recipe/errors.py", "from recipe import config\n", "imports recipe.config (room 2)"),
         ("tools/x.py", "from train import evaluate\n", "imports train.py"),
-        ("opt/x.py", "import ablate\n", "imports ablate (room 6)"),
+        ("opt/x.py", "from measure import ablate\n", "imports measure.ablate (room 6)"),
+        ("measure/x.py", "from tools import loading\n", None),
+        ("measure/x.py", "import scripts.ablate\n", "imports scripts.ablate (room 7)"),
         ("opt/x.py", "from launch.torchrun import torchrun\n", "imports launch.torchrun (room 4)"),
         ("launch/x.py", "from tools import generate\n", "imports tools.generate (room 5)"),
         ("train.py", "from launch import torchrun\n", None),
-        ("scripts/x.py", "import sys\nsys.path.insert(0, '.')\n", "changes sys.path"),
+        ("measure/x.py", "import sys\nsys.path.insert(0, '.')\n", "changes sys.path"),
         ("scripts/x.py", "import sys\nsys.path += ['.']\n", "changes sys.path"),
         ("tests/x.py", "import sys\nfrom train import train\nsys.path.append('.')\n", None),
     ],

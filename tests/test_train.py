@@ -206,11 +206,7 @@ def test_prof_memory_needs_a_gpu(tmp_path) -> None:
 
 
 def test_memory_peak_reads_a_snapshot(tmp_path) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("memory_peak", ROOT / "scripts/memory_peak.py")
-    memory_peak = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(memory_peak)
+    from measure import memory_peak
 
     def event(action: str, addr: int, size: int, where: str) -> dict:
         frames = [{"filename": "torch/nn/functional.py", "line": 1, "name": "linear"},

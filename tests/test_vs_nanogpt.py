@@ -4,7 +4,6 @@ states the batch, biases and math of every comparison, and the first-schema json
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -13,11 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT, fake_vs_nanogpt_result, vs_nanogpt_config
-
-spec = importlib.util.spec_from_file_location("vs_nanogpt", ROOT / "scripts/vs_nanogpt.py")
-vs = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-spec.loader.exec_module(vs)
+from conftest import fake_vs_nanogpt_result, vs_nanogpt_config
+from measure import vs_nanogpt
 
 BENCH_OUTPUT = """Compiling model...
 0/10 loss: 10.9876
@@ -29,8 +25,9 @@ time per iteration: 132.4000ms, MFU: 40.21%
 
 
 def test_bench_py_output_gives_tokens_per_sec() -> None:
-    assert vs.bench_tokens_per_sec(BENCH_OUTPUT, batch=64) == pytest.approx(64 * 1024 / 0.1324)
-    assert vs.bench_tokens_per_sec("Compiling model...\nTraceback ...", batch=64) is None
+    tokens_per_sec = vs_nanogpt.bench_tokens_per_sec(BENCH_OUTPUT, batch=64)
+    assert tokens_per_sec == pytest.approx(64 * 1024 / 0.1324)
+    assert vs_nanogpt.bench_tokens_per_sec("Compiling model...\nTraceback ...", batch=64) is None
 
 
 def test_our_tokens_per_sec_is_the_mean_after_burn_in_as_bench_py(tmp_path: Path) -> None:
@@ -42,18 +39,18 @@ def test_our_tokens_per_sec_is_the_mean_after_burn_in_as_bench_py(tmp_path: Path
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(w) + "\n" for w in windows))
     (tmp_path / "summary.json").write_text(json.dumps({"perf/tokens_per_sec": 480_000.0}))
-    numbers = vs.ours_tokens_per_sec(tmp_path, warmup_steps=10)
+    numbers = vs_nanogpt.ours_tokens_per_sec(tmp_path, warmup_steps=10)
     tokens = 400_000 * 0.080 * 10 + 500_000 * 0.064 * 10  # 10 steps a window
     assert numbers["tokens_per_sec"] == pytest.approx(tokens / (0.080 * 10 + 0.064 * 10))
     assert numbers["tokens_per_sec_median"] == 480_000.0
-    empty = vs.ours_tokens_per_sec(tmp_path / "none", warmup_steps=10)  # a run that failed
+    empty = vs_nanogpt.ours_tokens_per_sec(tmp_path / "none", warmup_steps=10)  # a run that failed
     assert empty == {"tokens_per_sec": None, "tokens_per_sec_median": None}
 
 
 def test_only_math_changing_overrides_mark_a_configuration() -> None:
-    assert vs.other_math(["opt.bs.batch_size=64", "data.loader=memmap"]) is None
-    assert vs.other_math(["opt.amp.residual=compute"]) == "bfloat16 residual stream"
-    plans = {c["name"]: c for c in vs.ours_configs([64], ["plain", "custom_op", "fastest"])}
+    assert vs_nanogpt.other_math(["opt.bs.batch_size=64", "data.loader=memmap"]) is None
+    assert vs_nanogpt.other_math(["opt.amp.residual=compute"]) == "bfloat16 residual stream"
+    plans = {c["name"]: c for c in vs_nanogpt.ours_configs([64], ["plain", "custom_op", "fastest"])}
     assert plans["ours b64 plain"]["math"] is None and plans["ours b64 custom_op"]["math"] is None
     assert plans["ours b64 fastest"]["math"] == "bfloat16 residual stream"
     argv = plans["ours b64 custom_op"]["argv"]
@@ -63,7 +60,7 @@ def test_only_math_changing_overrides_mark_a_configuration() -> None:
 
 
 def test_ratios_pair_rounds_and_headlines_pick_each_side_at_its_best() -> None:
-    result = vs.summarize(fake_vs_nanogpt_result())
+    result = vs_nanogpt.summarize(fake_vs_nanogpt_result())
     configs = {c["name"]: c for c in result["configs"]}
     assert configs["ours b64 plain"]["repeats"] == 2  # the failed round is left out
     assert configs["bench.py b64"]["median"] == 495e3
@@ -88,18 +85,18 @@ def test_ratios_pair_rounds_and_headlines_pick_each_side_at_its_best() -> None:
 
 
 def test_markdown_states_batch_biases_math_and_noise() -> None:
-    result = vs.summarize(fake_vs_nanogpt_result())
-    text = vs.headline(result)
+    result = vs_nanogpt.summarize(fake_vs_nanogpt_result())
+    text = vs_nanogpt.headline(result)
     assert "Ours at its best (batch 64, biases, plain + custom_op, other math: bfloat16" in text
     assert "**1.071x (1.069–1.071, 3 rounds)**" in text
     assert "fastest bench.py of the call (batch 64, no biases, bench.py's math: 495.0 K)" in text
     assert "not equal work: biases on ours only; ours changes the math" in text
     assert "Ours with bench.py's math (batch 64, biases, plain, bench.py's math" in text
     assert "2 rounds, within noise)" in text
-    table = vs.equal_work_table(result)
+    table = vs_nanogpt.equal_work_table(result)
     assert "| 64 | yes | plain | same (equal work) | 1.049x (1.038–1.059, 2 rounds) |" in table
     assert "| 64 | yes | fastest | other: bfloat16 residual stream |" in table
-    md = vs.markdown(result)
+    md = vs_nanogpt.markdown(result)
     assert "| bench.py b32 | batch 32, no biases, bench.py's math; w | 480,000 |" in md
     assert "| 480,000 | 479,000–481,000 | 3 |" in md
 
@@ -108,7 +105,7 @@ def test_measure_interleaves_rounds_and_stops_before_the_deadline(tmp_path, monk
     bench = tmp_path / "nanogpt"
     bench.mkdir()
     (bench / "bench.py").write_text("")
-    monkeypatch.setattr(vs, "ours_configs", lambda batches, variants: [
+    monkeypatch.setattr(vs_nanogpt, "ours_configs", lambda batches, variants: [
         {**vs_nanogpt_config(f"ours b{b} {v}", "ours", b, True), "argv": ["python", "train.py"]}
         for b in batches for v in variants
     ])  # fmt: skip
@@ -119,12 +116,13 @@ def test_measure_interleaves_rounds_and_stops_before_the_deadline(tmp_path, monk
         clock[0] += 100.0  # every run takes 100 s
         return {"config": name, "wall_s": 100.0, "tokens_per_sec": 1e5 * (1 + len(ran))}
 
-    monkeypatch.setattr(vs, "run_one", run_one)
-    monkeypatch.setattr(vs, "time", SimpleNamespace(time=lambda: clock[0], strftime=time.strftime))
+    monkeypatch.setattr(vs_nanogpt, "run_one", run_one)
+    clocked = SimpleNamespace(time=lambda: clock[0], strftime=time.strftime)
+    monkeypatch.setattr(vs_nanogpt, "time", clocked)
     out = tmp_path / "vs"
     argv = ["run", "--bench", str(bench), "--batches", "32", "64", "--repeats", "3"]
     monkeypatch.setattr(sys, "argv", ["vs_nanogpt.py", *argv])
-    vs.main([*argv, "--ours", "plain", "--deadline-s", "650", "--out", str(out)])
+    vs_nanogpt.main([*argv, "--ours", "plain", "--deadline-s", "650", "--out", str(out)])
     round_ = ["bench.py b32", "bench.py b32 bias", "ours b32 plain"]
     round_ += ["bench.py b64", "bench.py b64 bias", "ours b64 plain"]
     # Round 1 ends at 600 s; a run takes 100 s: round 2 would pass the deadline (650 s).
@@ -143,11 +141,11 @@ def test_run_one_runs_bench_py_from_a_copy_of_its_folder(tmp_path) -> None:
         "exec(open('configurator.py').read())\nprint(f'time per iteration: {MS:.4f}ms, MFU: 1%')\n"
     )
     argv = [sys.executable, "bench.py", "--batch_size=8"]
-    run = vs.run_one("bench.py b8", argv, bench, tmp_path / "run", batch=8, timeout_s=60)
+    run = vs_nanogpt.run_one("bench.py b8", argv, bench, tmp_path / "run", batch=8, timeout_s=60)
     assert run["status"] == "ok" and run["tokens_per_sec"] == pytest.approx(8 * 1024 / 0.1)
     assert "time per iteration" in (tmp_path / "run/output.txt").read_text()
     (bench / "bench.py").write_text("raise SystemExit(3)\n")
-    failed = vs.run_one("bench.py b8", argv, bench, tmp_path / "r2", batch=8, timeout_s=60)
+    failed = vs_nanogpt.run_one("bench.py b8", argv, bench, tmp_path / "r2", batch=8, timeout_s=60)
     assert failed["status"] == "failed (exit 3)" and failed["tokens_per_sec"] is None
 
 
@@ -156,8 +154,8 @@ def test_run_one_reads_our_runs_tokens_per_sec(tmp_path) -> None:
     from conftest import TINY
 
     tiny = [o for o in TINY if not o.startswith(("wandb.", "sample."))]
-    argv = [sys.executable, "train.py", *tiny, *vs.OURS_RUN, "train.eval_sequences=4"]
-    run = vs.run_one("ours tiny", argv, None, tmp_path / "run", batch=4, timeout_s=240)
+    argv = [sys.executable, "train.py", *tiny, *vs_nanogpt.OURS_RUN, "train.eval_sequences=4"]
+    run = vs_nanogpt.run_one("ours tiny", argv, None, tmp_path / "run", batch=4, timeout_s=240)
     assert run["status"] == "ok", run.get("error")
     assert run["tokens_per_sec"] > 0 and run["tokens_per_sec_median"] > 0
     assert (tmp_path / "run/summary.json").exists()  # the run folder is the one given

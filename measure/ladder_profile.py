@@ -20,8 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import step_budget  # a sibling script: its folder is first on sys.path
 from omegaconf import DictConfig
+
+from measure import step_budget
 
 # The families in the row and the table, largest first in a GPT-2 step (step_budget.md).
 FAMILIES = ("matmul", "norm/elementwise", "attention", "loss", "optimizer", "copies",
