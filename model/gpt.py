@@ -124,6 +124,10 @@ class GPT(nn.Module):
         # +opt=amp with opt.amp.residual=compute: the residual stream (the running sum of the
         # blocks' outputs) in the compute dtype instead of the weights' float32. None: as is.
         self.residual_dtype: torch.dtype | None = None
+        # +opt=ac: the submodules whose forward backward runs again, and whether it reruns their
+        # output projections too (recompute_flops_per_token).
+        self.recomputed: tuple[str, ...] = ()
+        self.reruns_projections = False
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) at init.
         for name, p in self.named_parameters():
@@ -178,18 +182,46 @@ class GPT(nn.Module):
 
     def num_params(self, exclude_positions: bool = True) -> int:
         """Parameters, the tied embedding counted once. The position table is a lookup with no
-        matmul, so it is left out by default (as in the FLOP count)."""
+        matmul, so it is left out by default."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_positions:
             n -= self.transformer.wpe.weight.numel()
         return n
 
+    def forward_flops_per_token(
+        self, module: nn.Module | None = None, seq_len: int | None = None
+    ) -> float:
+        """The forward FLOPs per token of `module` (the whole model by default): 2 per weight
+        of each Linear layer (a multiply and an add; the tied head once, the embedding lookups
+        none), and causal attention's scores and values, 2·C·T per layer: half of the T×T
+        products, as a causal kernel (flash, cuDNN) computes only the lower triangle. LayerNorm,
+        GELU, softmax and the bias adds are left out (under 0.1% at any GPT-2 size)."""
+        module = self if module is None else module
+        T = seq_len or self.config.block_size
+        linear = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+        layers = sum(isinstance(m, CausalSelfAttention) for m in module.modules())
+        return 2 * linear + 2 * layers * self.config.n_embd * T
+
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token: 6N for the weight matmuls (forward + backward) plus
-        12·L·H·Q·T for attention scores and values (PaLM, appendix B)."""
-        c = self.config
-        T = seq_len or c.block_size
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * T
+        """Model FLOPs per trained token, MFU's numerator: forward plus backward, which does
+        twice the forward's matmuls (the inputs' gradients and the weights'). That is 6N + 6·L·C·T
+        with N the Linear weights: PaLM's appendix B with causal attention counted half."""
+        return 3 * self.forward_flops_per_token(seq_len=seq_len)
+
+    def recompute_flops_per_token(self, seq_len: int | None = None) -> float:
+        """The FLOPs per trained token that backward adds by recomputing, HFU's and not MFU's: a
+        forward of each region in `recomputed` (set by +opt=ac) but for its output projection
+        (its last Linear) unless `reruns_projections`: backward needs none of that matmul's
+        output, and PyTorch's non-reentrant checkpoint stops recomputing once it has what
+        backward needs (the reentrant one reruns the whole forward)."""
+        total = 0.0
+        for name in self.recomputed:
+            region = self.get_submodule(name)
+            total += self.forward_flops_per_token(region, seq_len)
+            if not self.reruns_projections:
+                *_, projection = (m for m in region.modules() if isinstance(m, nn.Linear))
+                total -= self.forward_flops_per_token(projection, seq_len)
+        return total
 
     @torch.no_grad()
     def generate(
