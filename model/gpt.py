@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,10 +124,9 @@ class GPT(nn.Module):
         # +opt=amp with opt.amp.residual=compute: the residual stream (the running sum of the
         # blocks' outputs) in the compute dtype instead of the weights' float32. None: as is.
         self.residual_dtype: torch.dtype | None = None
-        # +opt=ac: the submodules whose forward backward runs again, and whether it reruns their
-        # output projections too (recompute_flops_per_token).
-        self.recomputed: tuple[str, ...] = ()
-        self.reruns_projections = False
+        # +opt=ac: the Linear weights and attention layers whose forward backward runs again
+        # (mark_recomputed), for HFU.
+        self.recomputed: tuple[int, int] = (0, 0)
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) at init.
         for name, p in self.named_parameters():
@@ -188,40 +187,48 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward_flops_per_token(
-        self, module: nn.Module | None = None, seq_len: int | None = None
-    ) -> float:
-        """The forward FLOPs per token of `module` (the whole model by default): 2 per weight
-        of each Linear layer (a multiply and an add; the tied head once, the embedding lookups
-        none), and causal attention's scores and values, 2·C·T per layer: half of the T×T
-        products, as a causal kernel (flash, cuDNN) computes only the lower triangle. LayerNorm,
-        GELU, softmax and the bias adds are left out (under 0.1% at any GPT-2 size)."""
-        module = self if module is None else module
-        T = seq_len or self.config.block_size
-        linear = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
-        layers = sum(isinstance(m, CausalSelfAttention) for m in module.modules())
-        return 2 * linear + 2 * layers * self.config.n_embd * T
-
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Model FLOPs per trained token, MFU's numerator: forward plus backward, which does
-        twice the forward's matmuls (the inputs' gradients and the weights'). That is 6N + 6·L·C·T
-        with N the Linear weights: PaLM's appendix B with causal attention counted half."""
-        return 3 * self.forward_flops_per_token(seq_len=seq_len)
+        """Model FLOPs per trained token, MFU's numerator: a forward, and a backward that does
+        twice its matmuls (the inputs' gradients and the weights'). That is 6N + 6·L·C·T with N
+        the Linear weights: PaLM's appendix B with causal attention counted half."""
+        return 3 * self._forward_flops(self._work(self.modules()), seq_len)
 
     def recompute_flops_per_token(self, seq_len: int | None = None) -> float:
-        """The FLOPs per trained token that backward adds by recomputing, HFU's and not MFU's: a
-        forward of each region in `recomputed` (set by +opt=ac) but for its output projection
-        (its last Linear) unless `reruns_projections`: backward needs none of that matmul's
-        output, and PyTorch's non-reentrant checkpoint stops recomputing once it has what
-        backward needs (the reentrant one reruns the whole forward)."""
-        total = 0.0
-        for name in self.recomputed:
-            region = self.get_submodule(name)
-            total += self.forward_flops_per_token(region, seq_len)
-            if not self.reruns_projections:
-                *_, projection = (m for m in region.modules() if isinstance(m, nn.Linear))
-                total -= self.forward_flops_per_token(projection, seq_len)
-        return total
+        """The FLOPs per trained token that backward adds by recomputing (+opt=ac's regions,
+        `mark_recomputed`): HFU's, not MFU's."""
+        return self._forward_flops(self.recomputed, seq_len)
+
+    def mark_recomputed(self, regions: Sequence[str], reruns_projections: bool) -> None:
+        """+opt=ac: backward recomputes a forward of each region (a submodule's name) but its
+        output projection (its last Linear) unless `reruns_projections`: backward needs none of
+        that matmul's output, and PyTorch's non-reentrant checkpoint stops recomputing once it
+        has what backward needs (the reentrant one reruns the whole forward). Counted now, while
+        every block is in the model (+opt=pp then keeps only its rank's)."""
+        modules: list[nn.Module] = []
+        for name in regions:
+            region = list(self.get_submodule(name).modules())
+            if not reruns_projections:
+                region.remove([m for m in region if isinstance(m, nn.Linear)][-1])
+            modules += region
+        self.recomputed = self._work(modules)
+
+    @staticmethod
+    def _work(modules: Iterable[nn.Module]) -> tuple[int, int]:
+        """The weights of the Linear layers among `modules` (the tied head once, as a module
+        holds it once) and the number of attention layers."""
+        modules = list(modules)
+        weights = sum(m.weight.numel() for m in modules if isinstance(m, nn.Linear))
+        return weights, sum(isinstance(m, CausalSelfAttention) for m in modules)
+
+    def _forward_flops(self, work: tuple[int, int], seq_len: int | None) -> float:
+        """Forward FLOPs per token of `work` (`_work`'s): 2 per Linear weight (a multiply and an
+        add; the embedding lookups do none), and per attention layer the scores and values, 2·C·T:
+        half of the T×T products, as a causal kernel (flash, cuDNN) computes only the lower
+        triangle. LayerNorm, GELU, softmax and the bias adds are left out (FLOP counters skip
+        them too; well under 1% of the work)."""
+        weights, attention = work
+        T = seq_len or self.config.block_size
+        return 2 * weights + 2 * attention * self.config.n_embd * T
 
     @torch.no_grad()
     def generate(

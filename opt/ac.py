@@ -83,9 +83,8 @@ def apply_ac(model: GPT, cfg: DictConfig) -> list[str]:
         region = block if target == "block" else getattr(block, target)
         region.forward = functools.partial(checkpoint, region.forward, **options)
         wrapped.append(f"transformer.h.{i}" + ("" if target == "block" else f".{target}"))
-    # For HFU (model/gpt.py): what backward runs again; mode=op keeps every matmul's output.
-    model.recomputed = () if cfg.mode == "op" else tuple(wrapped)
-    model.reruns_projections = cfg.use_reentrant
+    # For HFU: what backward runs again; mode=op keeps every matmul's output.
+    model.mark_recomputed([] if cfg.mode == "op" else wrapped, cfg.use_reentrant)
     blocks = len(model.transformer.h)  # type: ignore[arg-type]  # a ModuleList
     log(f"[opt] ac: {cfg.mode}, {len(wrapped)} of {blocks} blocks ({target})")
     return wrapped
