@@ -31,7 +31,7 @@ from model import GPT, GPTConfig
 from recipe import checkpoint, config, distributed, errors, rundir
 from recipe.evaluation import build_loaders, validation
 from recipe.guard import NonFiniteGuard
-from recipe.hardware import cap_memory, peak_flops
+from recipe.hardware import cap_memory, matmul_ceiling, peak_flops
 from recipe.metrics import LoopMeter, LossWindow, MetricLogger, memory_gib, reset_memory_peaks
 from recipe.profiling import Profiler
 from recipe.runstate import RunState
@@ -144,6 +144,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     dist = distributed.init(cfg.device)
     config.check_device(cfg, dist.device)  # a preset sized for a GPU, on a CPU
     cap_memory(dist.device, cfg.perf.memory_cap_gib)  # before anything is allocated on the GPU
+    ceiling = matmul_ceiling(dist.device) if cfg.perf.matmul_ceiling else {}  # logged at step 0
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
     dist = dist.with_mesh(plan.pp_degree, plan.tp_degree, plan.dp_replicas)  # pp, tp, HSDP
@@ -192,7 +193,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
 
     # ---- the loop. Nothing in it waits for the GPU except at log, eval and checkpoint steps.
     meter = LoopMeter(
-        dist.device, batches, perf_args(cfg, whole[1], plan, dist), started=started,
+        dist.device, batches, perf_args(cfg, whole[1], model, plan, dist), started=started,
         warmup_steps=cfg.perf.warmup_steps, compiled="compile" in plan.stages,
     )  # fmt: skip
     losses = LossWindow(dist.device)  # summed on the device: no .item() per step
@@ -201,6 +202,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     with checkpoint.StopSignal() as stop:  # from the first evaluation on: it may take minutes
         if step == 0:
             validated(logger, step, validate)
+        if ceiling:  # perf.matmul_ceiling
+            logger.log(ceiling, step)
         meter.start()
         while step < max_steps:
             lr = learning_rate(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
@@ -277,13 +280,21 @@ def tokens_per_step(cfg: DictConfig, plan: opt.Plan, dist: distributed.Distribut
 
 
 def perf_args(
-    cfg: DictConfig, flops_per_token: float, plan: opt.Plan, dist: distributed.Distributed
+    cfg: DictConfig,
+    flops_per_token: float,
+    model: GPT,
+    plan: opt.Plan,
+    dist: distributed.Distributed,
 ) -> dict[str, Any]:
-    """What turns step times into throughput and MFU (recipe/metrics.py's `throughput`)."""
+    """What turns step times into throughput, MFU and HFU (recipe/metrics.py's `throughput`)."""
+    recomputed = model.recompute_flops_per_token(cfg.model.block_size)  # +opt=ac: HFU's only
     return dict(
         tokens_per_step=tokens_per_step(cfg, plan, dist),
         flops_per_token=flops_per_token,
-        peak_flops=peak_flops(dist.device, cfg.perf.peak_tflops),
+        hardware_flops_per_token=flops_per_token + recomputed,
+        peak_flops=peak_flops(
+            dist.device, cfg.perf.peak_tflops, plan.amp_dtype or plan.weights_dtype
+        ),
         world_size=dist.world_size,
     )
 

@@ -27,7 +27,8 @@ On CUDA the middle step is a Triton kernel (`kernels/triton_cross_entropy.py`); 
 the same math in PyTorch (log_softmax in float32), which is also the reference the tests use.
 The operator is registered with `torch.library`: a fake implementation for tracing and an
 autograd formula, so `torch.compile` captures it as one node with no graph break, and an
-autocast rule that casts hidden and weight to the autocast dtype, as autocast casts `F.linear`'s.
+autocast rule that casts hidden and weight to the autocast dtype, as autocast casts `F.linear`'s;
+and its FLOPs with `torch.utils.flop_counter`, which sees one op, not the matmuls inside.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 OP = "gpt2_recipe::linear_cross_entropy"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -248,6 +250,15 @@ def _backward(ctx, grad_loss: torch.Tensor, _grad_hidden, _grad_weight):
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+@register_flop_formula(torch.ops.gpt2_recipe.linear_cross_entropy)
+def _flops(hidden, weight, targets, vocab_size, chunk_size, block, num_warps, with_grads, float8,
+           out_shape=None) -> int:  # fmt: skip
+    """For torch.utils.flop_counter (which sees the operator as one op, not its matmuls): the
+    logits' matmul, and with gradients the two of backward, which it does in forward."""
+    (n, c), v = hidden, weight[0]
+    return 2 * n * c * v * (3 if with_grads else 1)
 
 
 def _cast_like_linear(device_type: str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +137,9 @@ class GPT(nn.Module):
         # +opt=amp with opt.amp.residual=compute: the residual stream (the running sum of the
         # blocks' outputs) in the compute dtype instead of the weights' float32. None: as is.
         self.residual_dtype: torch.dtype | None = None
+        # +opt=ac: the Linear weights and attention layers whose forward backward runs again
+        # (mark_recomputed), for HFU.
+        self.recomputed: tuple[int, int] = (0, 0)
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) at init.
         for name, p in self.named_parameters():
@@ -191,18 +194,54 @@ class GPT(nn.Module):
 
     def num_params(self, exclude_positions: bool = True) -> int:
         """Parameters, the tied embedding counted once. The position table is a lookup with no
-        matmul, so it is left out by default (as in the FLOP count)."""
+        matmul, so it is left out by default."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_positions:
             n -= self.transformer.wpe.weight.numel()
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token: 6N for the weight matmuls (forward + backward) plus
-        12·L·H·Q·T for attention scores and values (PaLM, appendix B)."""
-        c = self.config
-        T = seq_len or c.block_size
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * T
+        """Model FLOPs per trained token, MFU's numerator: a forward, and a backward that does
+        twice its matmuls (the inputs' gradients and the weights'). That is 6N + 6·L·C·T with N
+        the Linear weights: PaLM's appendix B with causal attention counted half."""
+        return 3 * self._forward_flops(self._work(self.modules()), seq_len)
+
+    def recompute_flops_per_token(self, seq_len: int | None = None) -> float:
+        """The FLOPs per trained token that backward adds by recomputing (+opt=ac's regions,
+        `mark_recomputed`): HFU's, not MFU's."""
+        return self._forward_flops(self.recomputed, seq_len)
+
+    def mark_recomputed(self, regions: Sequence[str], reruns_projections: bool) -> None:
+        """+opt=ac: backward recomputes a forward of each region (a submodule's name) but its
+        output projection (its last Linear) unless `reruns_projections`: backward needs none of
+        that matmul's output, and PyTorch's non-reentrant checkpoint stops recomputing once it
+        has what backward needs (the reentrant one reruns the whole forward). Counted now, while
+        every block is in the model (+opt=pp then keeps only its rank's)."""
+        modules: list[nn.Module] = []
+        for name in regions:
+            region = list(self.get_submodule(name).modules())
+            if not reruns_projections:
+                region.remove([m for m in region if isinstance(m, nn.Linear)][-1])
+            modules += region
+        self.recomputed = self._work(modules)
+
+    @staticmethod
+    def _work(modules: Iterable[nn.Module]) -> tuple[int, int]:
+        """The weights of the Linear layers among `modules` (the tied head once, as a module
+        holds it once) and the number of attention layers."""
+        modules = list(modules)
+        weights = sum(m.weight.numel() for m in modules if isinstance(m, nn.Linear))
+        return weights, sum(isinstance(m, CausalSelfAttention) for m in modules)
+
+    def _forward_flops(self, work: tuple[int, int], seq_len: int | None) -> float:
+        """Forward FLOPs per token of `work` (`_work`'s): 2 per Linear weight (a multiply and an
+        add; the embedding lookups do none), and per attention layer the scores and values, 2·C·T:
+        half of the T×T products, as a causal kernel (flash, cuDNN) computes only the lower
+        triangle. LayerNorm, GELU, softmax and the bias adds are left out (FLOP counters skip
+        them too; well under 1% of the work)."""
+        weights, attention = work
+        T = seq_len or self.config.block_size
+        return 2 * weights + 2 * attention * self.config.n_embd * T
 
     @torch.no_grad()
     def generate(

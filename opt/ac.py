@@ -29,6 +29,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from model import GPT
 from opt.stage import Stage
 from recipe.distributed import log
 from recipe.errors import ConfigError
@@ -68,7 +69,7 @@ def check_ac(cfg: DictConfig) -> None:
         )
 
 
-def apply_ac(model: torch.nn.Module, cfg: DictConfig) -> list[str]:
+def apply_ac(model: GPT, cfg: DictConfig) -> list[str]:
     """Checkpoints the chosen regions; returns their names."""
     check_ac(cfg)
     options = {"use_reentrant": cfg.use_reentrant}
@@ -84,6 +85,8 @@ def apply_ac(model: torch.nn.Module, cfg: DictConfig) -> list[str]:
         region = block if target == "block" else getattr(block, target)
         region.forward = functools.partial(checkpoint, region.forward, **options)
         wrapped.append(f"transformer.h.{i}" + ("" if target == "block" else f".{target}"))
+    # For HFU: what backward runs again; mode=op keeps every matmul's output.
+    model.mark_recomputed([] if cfg.mode == "op" else wrapped, cfg.use_reentrant)
     blocks = len(model.transformer.h)  # type: ignore[arg-type]  # a ModuleList
     log(f"[opt] ac: {cfg.mode}, {len(wrapped)} of {blocks} blocks ({target})")
     return wrapped

@@ -89,6 +89,7 @@ CHOICES: dict[str, Choices] = {
     "train.keep_best": Choices((True, False)),
     "train.async_save": Choices((True, False)),
     "perf.checkpoint_time": Choices((True, False)),
+    "perf.matmul_ceiling": Choices((True, False)),
     "model.bias": Choices((True, False)),
 }
 

@@ -3,8 +3,8 @@ console line, `metrics.jsonl` in the run folder, and wandb (offline unless you a
 
 Metric names (the same everywhere):
     step, train/loss, val/loss, train/lr, train/grad_norm, train/skipped_steps,
-    perf/tokens_per_sec, perf/mfu (%), perf/step_ms, perf/data_wait_ms, perf/joules_per_token,
-    perf/gpu_busy (%),
+    perf/tokens_per_sec, perf/mfu (%), perf/hfu (%), perf/step_ms, perf/data_wait_ms,
+    perf/joules_per_token, perf/gpu_busy (%), perf/matmul_ceiling_tflops (once, if asked),
     mem/peak_allocated_gib, mem/peak_reserved_gib
 The run's summary adds wall_s, first_step_s, compile_s, compile_warm, goodput, data_wait_ms,
 joules_per_token and gpu_busy (LoopMeter.summary).
@@ -112,20 +112,34 @@ def throughput(
     step_ms: list[float],
     tokens_per_step: int,
     flops_per_token: float,
+    hardware_flops_per_token: float,
     peak_flops: float | None,
     world_size: int,
 ) -> dict[str, float | None]:
-    """Tokens/s over all ranks, mean step time and MFU (% of the summed peaks of all GPUs)."""
+    """Tokens/s over all ranks, mean step time, and MFU and HFU (% of the summed peaks of all
+    GPUs): the model's FLOPs per second, and those the GPUs do (with +opt=ac's recomputation)."""
     seconds = sum(step_ms) / 1e3
     tokens_per_sec = tokens_per_step * len(step_ms) / seconds
-    mfu = None
-    if peak_flops:
-        mfu = 100 * tokens_per_sec * flops_per_token / (peak_flops * world_size)
-    return {
+    out: dict[str, float | None] = {
         "perf/tokens_per_sec": tokens_per_sec,
         "perf/step_ms": seconds * 1e3 / len(step_ms),
-        "perf/mfu": mfu,
+        "perf/mfu": None,
+        "perf/hfu": None,
     }
+    if not peak_flops:
+        return out
+    peak = peak_flops * world_size
+    mfu, hfu = (
+        100 * tokens_per_sec * f / peak for f in (flops_per_token, hardware_flops_per_token)
+    )
+    if max(mfu, hfu) > 100:  # impossible: reported, it would be believed
+        log(
+            f"[warning] utilization {max(mfu, hfu):.0f}% > 100%: the peak ({peak / 1e12:.0f} "
+            f"TFLOP/s, {world_size} GPU(s)) or the FLOPs per token ({hardware_flops_per_token:.3g})"
+            " is wrong; perf/mfu and perf/hfu left out (perf.peak_tflops sets the GPU's peak)"
+        )
+        return out
+    return out | {"perf/mfu": mfu, "perf/hfu": hfu}
 
 
 def summarize(step_ms: list[float], **kwargs: Any) -> dict[str, float | None]:
@@ -134,9 +148,9 @@ def summarize(step_ms: list[float], **kwargs: Any) -> dict[str, float | None]:
     median = statistics.median(step_ms)
     out = throughput([median], **kwargs)
     deciles = statistics.quantiles(step_ms, n=10) if len(step_ms) > 1 else [median] * 9
-    fast, slow = throughput([deciles[0]], **kwargs), throughput([deciles[-1]], **kwargs)
-    out["perf/tokens_per_sec_p90"] = fast["perf/tokens_per_sec"]
-    out["perf/tokens_per_sec_p10"] = slow["perf/tokens_per_sec"]
+    tokens_per_s = kwargs["tokens_per_step"] * 1e3
+    out["perf/tokens_per_sec_p90"] = tokens_per_s / deciles[0]
+    out["perf/tokens_per_sec_p10"] = tokens_per_s / deciles[-1]
     out["perf/measured_steps"] = len(step_ms)
     return out
 

@@ -260,7 +260,13 @@ def tool_cfg(name: str, *overrides: str) -> DictConfig:
 
 # ---- The loop meter's fakes (recipe.metrics.LoopMeter).
 
-PERF_ARGS = dict(tokens_per_step=128, flops_per_token=1.0, peak_flops=None, world_size=1)
+PERF_ARGS = dict(
+    tokens_per_step=128,
+    flops_per_token=1.0,
+    hardware_flops_per_token=1.0,
+    peak_flops=None,
+    world_size=1,
+)
 
 
 class FakeClock:

@@ -18,8 +18,8 @@ from train import train
 
 TRAIN_METRICS = {
     "step", "train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu",
-    "perf/step_ms", "mem/peak_allocated_gib", "mem/peak_reserved_gib", "train/skipped_steps",
-    "perf/data_wait_ms", "perf/joules_per_token", "perf/gpu_busy",
+    "perf/hfu", "perf/step_ms", "mem/peak_allocated_gib", "mem/peak_reserved_gib",
+    "train/skipped_steps", "perf/data_wait_ms", "perf/joules_per_token", "perf/gpu_busy",
 }  # fmt: skip
 
 
@@ -37,6 +37,7 @@ def test_a_short_run_logs_everywhere_and_saves(tmp_path, capsys, wandb_calls) ->
     assert all(set(r) == TRAIN_METRICS for r in logged)
     assert all(r["perf/tokens_per_sec"] > 0 and r["train/grad_norm"] > 0 for r in logged)
     assert logged[0]["perf/mfu"] is None and logged[0]["mem/peak_allocated_gib"] is None  # CPU
+    assert logged[0]["perf/hfu"] is None
     val = {r["step"]: r["val/loss"] for r in rows if "val/loss" in r}
     assert list(val) == [0, 3, 6] and val[6] < val[0]
 
