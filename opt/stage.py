@@ -13,6 +13,27 @@ run once the model and the optimizer exist.
     optimizer   sets ctx.plan's optimizer class and arguments     None
     model       changes ctx.model in place, or wraps ctx.module   the module to train with, or None
     step        changes how ctx.optimizer steps                   the optimizer to step, or None
+
+Besides `apply`, a stage may declare hooks for what happens around it, each optional:
+
+    hook                  runs                                         for
+    check(ctx)            in opt.plan, before any phase                what the knobs cannot do
+    plan(ctx)             in opt.plan, after the planning phases       a model or step stage's
+                                                                       decisions (the mesh's
+                                                                       degrees: ctx.plan.parallel)
+    unselected(ctx)       in its phase, when not selected              a process-wide reset, the
+                                                                       default DDP
+    check_resume(stages)  before restoring a checkpoint                refusing one it cannot read
+    prepare_model(ctx)    first in opt.apply_model_stages              the plain model, from the
+                                                                       plan (dtypes)
+    step                  the loop's Step (opt/step.py), one stage's   a step run otherwise: the
+                                                                       pipeline, the update in
+                                                                       backward
+    after_optimizer_step  after every optimizer step                   work on the updated weights
+    checkpoint_layout     on every save and restore                    parameters DCP cannot take
+                                                                       as they are (tp's QKV)
+
+docs/adding_a_stage.md walks through adding one.
 """
 
 from __future__ import annotations
@@ -27,10 +48,12 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from data import LoaderOptions
-from recipe.distributed import Distributed
+from recipe.distributed import Distributed, ParallelDims
 
 if TYPE_CHECKING:
     from model import GPT
+    from opt.step import Step
+    from recipe.checkpoint import StateLayout
     from recipe.guard import NonFiniteGuard
 
 Phase = Literal["batch", "input", "numerics", "optimizer", "model", "step"]
@@ -45,7 +68,7 @@ class Plan:
     stages: list[str]  # the selected stages, in the order they are applied
     batch_size: int  # sequences per optimizer step per rank
     micro_steps: int = 1  # gradient-accumulation micro-steps per optimizer step
-    defer_reduce: bool = True  # reduce gradients over ranks after the last micro-step only
+    defer_fsdp_reduce: bool = False  # opt.accum.defer_fsdp_reduce: see defer_reduce
     loader: LoaderOptions = field(default_factory=LoaderOptions)
     amp_dtype: torch.dtype | None = None  # the amp stage's compute dtype; None: fp32
     pure_low_precision: bool = False  # FSDP casts the parameters to amp_dtype: no autocast
@@ -55,16 +78,15 @@ class Plan:
     amp_weight_cache: bool = True  # autocast caches its weight casts (opt.amp.weight_cache)
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW  # lowbit: torchao's
     optimizer_kwargs: dict = field(default_factory=dict)
-    tp_degree: int = 1  # +opt=tp: ranks per tensor-parallel group (Distributed.with_mesh)
+    # The parallel layout: the degrees that +opt=pp, +opt=tp and +opt=fsdp plan, and whether
+    # FSDP wraps the model; the trainer builds its mesh (Distributed.with_parallel).
+    parallel: ParallelDims = field(default_factory=lambda: ParallelDims(1))
     vocab_parallel_loss: bool = False  # +opt=tp's loss_parallel: see loss_context
     # What the loss's forward and backward run in, a fresh context manager per call: +opt=tp's
     # `loss_parallel` (the cross-entropy on vocabulary shards), else nothing.
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    # FSDP's `fully_shard` wraps the model: +opt=fsdp, or +opt=offload on a GPU (their plans).
-    fully_sharded: bool = False
     tp_sequence_parallel: bool = False  # +opt=tp: the residual stream split over the sequence
-    pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
-    dp_replicas: int = 1  # +opt=fsdp's replicas: HSDP (Distributed.with_mesh)
+    compiled: bool = False  # +opt=compile: the first steps compile (the loop's meter says so)
     step_in_backward: bool = False  # opt_in_backward: each block steps from its grad hooks
     clip_in_backward: float = float("inf")  # opt_in_backward: train.grad_clip, norm estimated
 
@@ -72,12 +94,19 @@ class Plan:
     def micro_batch_size(self) -> int:
         return self.batch_size // self.micro_steps
 
+    @property
+    def defer_reduce(self) -> bool:
+        """Whether gradients are reduced over the ranks after the last micro-step only: not
+        under FSDP, whose skipped reduce-scatters would keep full-size gradients between
+        micro-steps (opt/accum.py), unless opt.accum.defer_fsdp_reduce asks for it."""
+        return self.defer_fsdp_reduce or not self.parallel.fsdp_enabled
+
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         """The loss scaler: a no-op unless float16. Under FSDP each rank checks only its own
         gradient shards for overflow, so the ranks must agree on skipping a step: the
         ShardedGradScaler all-reduces that verdict (it also unscales offloaded gradients).
         So does +opt=tp, whose ranks hold shards of the gradients too."""
-        if self.scale_loss and (self.fully_sharded or "tp" in self.stages):
+        if self.scale_loss and (self.parallel.fully_sharded or self.parallel.tp_enabled):
             return ShardedGradScaler(device.type)
         return torch.amp.GradScaler(device.type, enabled=self.scale_loss)
 
@@ -127,3 +156,15 @@ class Stage:
     unselected: Callable[[Context], Any] | None = None
     # Refuses, in one line, resuming a checkpoint written with these stages (its `stages`).
     check_resume: Callable[[list[str]], None] | None = None
+    # What the model needs before any model stage wraps it, from the plan (amp's residual
+    # stream dtype, lowbit's bfloat16 weights); run first by opt.apply_model_stages, in ORDER.
+    prepare_model: Callable[[Context], None] | None = None
+    # The step the loop runs, when the stage runs it otherwise than the plain loop
+    # (opt/step.py): +opt=pp's schedule, +opt=opt_in_backward's update in backward.
+    step: type[Step] | None = None
+    # Run after every optimizer step (from Step.optimizer_step), with the stage's context: e.g.
+    # a float8 stage's precomputed scales for FSDP's next all-gather.
+    after_optimizer_step: Callable[[Context], None] | None = None
+    # How the stage's parameters are laid out in a checkpoint when DCP or set_state_dict cannot
+    # take them as they are (+opt=tp's strided QKV): recipe/checkpoint.py's StateLayout.
+    checkpoint_layout: StateLayout | None = None
