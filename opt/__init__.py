@@ -57,8 +57,8 @@ from opt import (
     workers,
 )  # fmt: skip
 from opt.accum import gradient_sync
-from opt.stage import PLANNED, Context, Phase, Plan, Stage
-from opt.step import Step
+from opt.stage import PLANNED, Context, Phase, Plan, Stage, Step
+from opt.step import LoopStep
 from recipe import knobs
 from recipe.checkpoint import StateLayout
 from recipe.distributed import Distributed, ParallelDims
@@ -186,8 +186,8 @@ def build_step(
         for stage in _chosen(p)
         if stage.after_optimizer_step
     ]
-    step_class = next((stage.step for stage in _chosen(p) if stage.step), Step)
-    return step_class(ctx, scaler, hooks)
+    make = next((stage.step for stage in _chosen(p) if stage.step), LoopStep)
+    return make(ctx, scaler, hooks)
 
 
 def checkpoint_layouts(p: Plan) -> list[StateLayout]:

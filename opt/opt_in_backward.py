@@ -43,7 +43,7 @@ from typing import Any, cast
 import torch
 
 from opt.stage import Context, Stage
-from opt.step import Step
+from opt.step import LoopStep
 from recipe.distributed import log
 from recipe.errors import ConfigError
 from recipe.guard import NonFiniteGuard, step_unless
@@ -99,7 +99,7 @@ def apply_opt_in_backward(
     return stepped
 
 
-class InBackwardStep(Step):
+class InBackwardStep(LoopStep):
     """The loop's step under +opt=opt_in_backward: backward has stepped every block already
     (each skipping its update when its own gradients were not finite), so the norm is the one
     measured there, and the guard only counts the step's verdict."""

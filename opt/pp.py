@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
 from opt.stage import Context, Plan, Stage
-from opt.step import Step
+from opt.step import LoopStep
 from opt.tp import ResidualStream, plain, residual_stream
 from recipe.distributed import Distributed, ParallelDims, log, mesh_shape
 from recipe.errors import ConfigError
@@ -445,7 +445,7 @@ def apply_pp(
     )  # fmt: skip
 
 
-class PipelineStep(Step):
+class PipelineStep(LoopStep):
     """The loop's step under +opt=pp: the schedule runs the micro-batches' forward and backward
     (under the plan's loss context: +opt=tp's loss_parallel), the norm is the whole pipeline's,
     evaluation runs through the pipeline (every rank holds a part of the model), and the log

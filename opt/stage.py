@@ -39,9 +39,9 @@ docs/adding_a_stage.md walks through adding one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -52,7 +52,6 @@ from recipe.distributed import Distributed, ParallelDims
 
 if TYPE_CHECKING:
     from model import GPT
-    from opt.step import Step
     from recipe.checkpoint import StateLayout
     from recipe.guard import NonFiniteGuard
 
@@ -137,6 +136,33 @@ class Context:
     guard: NonFiniteGuard = None  # type: ignore[assignment]  # step phase
 
 
+class Step(Protocol):
+    """One training step on this rank's batch, as the selected stages run it: what the loop
+    calls (train.py's train_step), implemented by the plain loop (opt/step.py's LoopStep) and
+    by the stages that run it otherwise (+opt=pp, +opt=opt_in_backward: their `Stage.step`)."""
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The micro-batches' forward and backward; the sum of their losses (on the device)."""
+        ...
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The gradients unscaled and clipped to the global norm `max_norm`; that norm."""
+        ...
+
+    def optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """The update unless `loss` or `grad_norm` is not finite, then the stages' hooks."""
+        ...
+
+    @property
+    def evaluated(self) -> torch.nn.Module:
+        """What the validation loss runs through."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """What the stages measured since the last log step (a collective)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -160,8 +186,10 @@ class Stage:
     # stream dtype, lowbit's bfloat16 weights); run first by opt.apply_model_stages, in ORDER.
     prepare_model: Callable[[Context], None] | None = None
     # The step the loop runs, when the stage runs it otherwise than the plain loop
-    # (opt/step.py): +opt=pp's schedule, +opt=opt_in_backward's update in backward.
-    step: type[Step] | None = None
+    # (opt/step.py's LoopStep): +opt=pp's schedule, +opt=opt_in_backward's update in backward.
+    step: Callable[[Context, torch.amp.GradScaler, Sequence[Callable[[], None]]], Step] | None = (
+        None
+    )
     # Run after every optimizer step (from Step.optimizer_step), with the stage's context: e.g.
     # a float8 stage's precomputed scales for FSDP's next all-gather.
     after_optimizer_step: Callable[[Context], None] | None = None

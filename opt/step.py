@@ -6,9 +6,10 @@ things that differ between them, and nothing else:
     optimizer_step(loss, grad_norm)     the update unless not finite, the stages' after-step hooks
     evaluated, metrics()                what evaluation runs through; what the stages measured
 
-`Step` is the plain loop's (one module, DDP's or FSDP's wrapper included); a stage that runs the
-step otherwise declares its own subclass as its `Stage.step`: +opt=pp's pipeline schedule
-(opt/pp.py), +opt=opt_in_backward's update in backward (opt/opt_in_backward.py).
+`LoopStep` is the plain loop's (one module, DDP's or FSDP's wrapper included); a stage that runs
+the step otherwise declares its own subclass as its `Stage.step`: +opt=pp's pipeline schedule
+(opt/pp.py), +opt=opt_in_backward's update in backward (opt/opt_in_backward.py). The protocol
+the loop reads is opt/stage.py's `Step`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from opt.accum import gradient_sync
 from opt.stage import Context
 
 
-class Step:
+class LoopStep:
     """The plain loop's step: forward and backward per micro-batch (the gradients add up; across
     ranks they are reduced after the last one, or after each under FSDP: `Plan.defer_reduce`),
     each in the plan's loss context and autocast, the loss scaled by the scaler (a no-op unless

@@ -18,6 +18,7 @@ from conftest import CONF, logged, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from opt.opt_in_backward import _NormEstimate
+from opt.step import LoopStep
 from recipe import distributed
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
@@ -59,6 +60,7 @@ def _trainer(*overrides: str, model: GPT | None = None):
     optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs, plan.optimizer_class)
     scaler, guard = plan.grad_scaler(CPU), NonFiniteGuard(CPU, SINGLE, max_bad_steps=10)
     stepper = opt.build_step(cfg.opt, plan, guard, model, model, optimizer, scaler)
+    assert isinstance(stepper, LoopStep)  # the plain loop's, or a stage's subclass of it
 
     def step(batch: torch.Tensor, lr: float):
         set_learning_rate(optimizer, lr)

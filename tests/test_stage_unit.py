@@ -81,8 +81,9 @@ def test_the_step_in_backward_owns_its_step() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     guard, scaler = NonFiniteGuard(SINGLE.device, SINGLE, 3), plan.grad_scaler(SINGLE.device)
     step = opt.build_step(cfg.opt, plan, guard, model, model, optimizer, scaler)
+    assert isinstance(step, InBackwardStep)
     stepped = step.optimizer
-    assert isinstance(stepped, StepInBackward) and isinstance(step, InBackwardStep)
+    assert isinstance(stepped, StepInBackward)
     assert stepped.state is optimizer.state
     assert all(a is b for a, b in zip(stepped.param_groups, optimizer.param_groups, strict=True))
     optimizer.param_groups[0]["lr"] = 0.05  # the schedule sets the optimizer's: the same groups
