@@ -17,7 +17,7 @@ from torch.optim import adam as adam_module  # where AdamW's three implementatio
 
 import data
 import opt
-from conftest import CONF, compiled_against_eager, logged, make_cfg, tiny_cfg
+from conftest import CONF, compiled_against_eager, logged, make_cfg, planned, tiny_cfg
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from recipe import distributed
@@ -547,3 +547,40 @@ def test_compile_caches_each_precisions_graphs_in_its_own_folder(
     opt.apply_model_stages(_toy(), cfg.opt, opt.plan(cfg, SINGLE), SINGLE)
     torch._dynamo.reset()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / folder)
+
+
+def test_tp_checkpoint_layout_saves_the_strided_qkv_whole_and_splits_it_back(tmp_path) -> None:
+    """+opt=tp's checkpoint layout (opt/tp.py's StridedLayout): a strided DTensor (the fused
+    QKV, and its optimizer state) is saved gathered, other values as they are; a load lays it
+    out as the model's own again; a whole checkpoint's tensor is put in place after the state
+    dict is set (which splits it wrongly)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    layout = opt.tp.STAGE.checkpoint_layout
+    assert layout is not None and opt.checkpoint_layouts(planned(2, "+opt=tp")) == [layout]
+    assert opt.checkpoint_layouts(planned(2, "+opt=fsdp")) == []
+    with _world_of_one(tmp_path):
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.arange(12.0).reshape(6, 2)
+        qkv = distribute_tensor(full, mesh, [_StridedShard(0, split_factor=3)])
+        plain = torch.ones(3)
+        tree = {"model": {"qkv": qkv, "ln": plain},
+                "optimizer": {"state": {"qkv": {"exp_avg": qkv, "step": plain}}}}  # fmt: skip
+        saved = layout.saved(tree)
+        for gathered in (saved["model"]["qkv"], saved["optimizer"]["state"]["qkv"]["exp_avg"]):
+            assert gathered.placements == (Replicate(),)
+            torch.testing.assert_close(gathered.to_local(), full)
+        assert saved["model"]["ln"] is plain and saved["optimizer"]["state"]["qkv"]["step"] is plain
+        back = layout.own(saved, tree)
+        assert back["model"]["qkv"].placements == qkv.placements
+        torch.testing.assert_close(back["model"]["qkv"].to_local(), qkv.to_local())
+
+        model = torch.nn.Module()
+        model.qkv = torch.nn.Parameter(qkv)
+        optimizer = torch.optim.SGD(model.parameters())
+        finish = layout.restore_whole(model, optimizer, {"qkv": 2 * full}, None)
+        torch.testing.assert_close(model.qkv.to_local(), full)  # set_state_dict comes between
+        finish()
+        torch.testing.assert_close(model.qkv.to_local(), 2 * full)
