@@ -30,7 +30,7 @@ import contextlib
 import functools
 import itertools
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
 
@@ -451,14 +451,9 @@ class PipelineStep(LoopStep):
     evaluation runs through the pipeline (every rank holds a part of the model), and the log
     steps get its bubble."""
 
-    def __init__(
-        self,
-        ctx: Context,
-        scaler: torch.amp.GradScaler,
-        after_optimizer_step: Sequence[Callable[[], None]],
-    ) -> None:
-        super().__init__(ctx, scaler, after_optimizer_step)
-        self.pipeline = cast(Pipeline, ctx.module)  # pp's apply, wrapped in place by dp's
+    @property
+    def pipeline(self) -> Pipeline:
+        return cast(Pipeline, self.module)  # pp's apply, wrapped in place by dp's
 
     @property
     def evaluated(self) -> nn.Module:

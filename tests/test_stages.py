@@ -9,6 +9,7 @@ import os
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -581,6 +582,7 @@ def test_tp_checkpoint_layout_saves_the_strided_qkv_whole_and_splits_it_back(tmp
         model.qkv = torch.nn.Parameter(qkv)
         optimizer = torch.optim.SGD(model.parameters())
         finish = layout.restore_whole(model, optimizer, {"qkv": 2 * full}, None)
-        torch.testing.assert_close(model.qkv.to_local(), full)  # set_state_dict comes between
+        param: Any = model.qkv  # a DTensor parameter
+        torch.testing.assert_close(param.to_local(), full)  # set_state_dict comes between
         finish()
-        torch.testing.assert_close(model.qkv.to_local(), 2 * full)
+        torch.testing.assert_close(param.to_local(), 2 * full)
