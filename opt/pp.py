@@ -290,7 +290,7 @@ class Pipeline(nn.Module):
         # torch 2.11 refuses inputs given to a stage that receives them from another rank
         # (torch-workaround(<2.13): 2.13 takes them).
         self.holds_first = stages[0].embeddings is not None
-        pp_mesh = _pp_mesh(dist)
+        pp_mesh = _mesh(dist)["pp"]
         self.group = pp_mesh.get_group()
         self.last_rank = pp_mesh.size() - 1  # holds the last stage under every schedule
         # The module holding this rank's copy of the tied weight, and its pair's group. The
@@ -391,7 +391,7 @@ def apply_pp(
 
     tp_enabled = dist.parallel.tp_enabled
     stream = residual_stream(dist, plan.tp_sequence_parallel) if tp_enabled else None
-    pp_mesh = _pp_mesh(dist)
+    pp_mesh = _mesh(dist)["pp"]
     rank, degree = pp_mesh.get_local_rank(), cfg.degree
     n_stages = degree * cfg.stages_per_rank
     starts = stage_starts(model, cfg.split, n_stages)
@@ -487,7 +487,7 @@ def _tied_pair(
     pipeline's pair (one per data-parallel rank)."""
     if first and last:  # a pipeline of one rank: the weight is still tied
         return None, None
-    ends = _pp_mesh(dist).mesh  # ranks as (pp, dp, tp): each pipeline's first and last stage
+    ends = _mesh(dist).mesh  # every rank as (pp, dp, tp): each pipeline's first and last stage
     firsts, lasts = ends[0].flatten().tolist(), ends[-1].flatten().tolist()
     pairs = [list(pair) for pair in zip(firsts, lasts, strict=True)]
     pair, _ = torch_dist.new_subgroups_by_enumeration(pairs)
@@ -499,11 +499,11 @@ def _tied_pair(
     return None, None
 
 
-def _pp_mesh(dist: Distributed) -> DeviceMesh:
-    """The mesh's pipeline dimension: which stages this rank holds, whom it sends to."""
+def _mesh(dist: Distributed) -> DeviceMesh:
+    """The processes' mesh, whose "pp" dimension says which stages a rank holds."""
     mesh = dist.parallel.mesh
     assert mesh is not None, "+opt=pp runs on the meshed processes (Distributed.with_parallel)"
-    return mesh["pp"]
+    return mesh
 
 
 def _laid_out_as(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
