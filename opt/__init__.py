@@ -25,7 +25,8 @@ apply). STAGES lists them in the one order they run, whatever order they were li
                                              parameters that every model stage has settled.
 
 To add a stage: a yaml file with its knobs nested under its own name, a module that declares
-its `STAGE` (opt/stage.py), and one line in STAGES.
+its `STAGE` (opt/stage.py: its phase, knobs and hooks), one line in STAGES, and its test
+(docs/adding_a_stage.md walks through one).
 """
 
 from __future__ import annotations
