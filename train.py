@@ -92,44 +92,17 @@ def build_optimizer(
 
 
 def train_step(
-    train_model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    plan: opt.Plan,
-    grad_clip: float,
-    guard: NonFiniteGuard,
+    step: opt.Step, inputs: torch.Tensor, targets: torch.Tensor, grad_clip: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on this rank's batch: forward and backward per micro-batch (gradients
-    add up; across ranks they are reduced after the last one, or after each under FSDP, see
-    opt/accum.py), unscale, clip, then the step unless the loss or the gradients are not finite
-    (recipe/guard.py; under +opt=opt_in_backward each parameter stepped in backward already,
-    and the step finds nothing left to do: opt/opt_in_backward.py); under +opt=pp the
-    pipeline's schedule runs the micro-batches (opt/pp.py).
+    """One optimizer step on this rank's batch, as the stages run it (opt/step.py): forward and
+    backward per micro-batch (under +opt=pp the pipeline's schedule runs them), unscale and clip
+    by the global norm, then the update unless the loss or the gradients are not finite
+    (recipe/guard.py; under +opt=opt_in_backward each block stepped in backward already).
     Returns the sum of the micro-batch losses and the gradient norm, both left on the device
     (no sync)."""
-    if isinstance(train_model, opt.Pipeline):  # the step's loss, the same on every stage
-        with plan.loss_context():
-            losses = train_model.forward_backward(inputs, targets)
-    else:
-        losses = torch.zeros((), device=inputs.device)
-        micro_batches = zip(
-            inputs.chunk(plan.micro_steps), targets.chunk(plan.micro_steps), strict=True
-        )
-        for micro_step, (x, y) in enumerate(micro_batches):
-            last = micro_step == plan.micro_steps - 1
-            sync = opt.gradient_sync(train_model, last or not plan.defer_reduce)
-            with sync, plan.loss_context():
-                with plan.autocast(inputs.device):
-                    _, loss = train_model(x, y)
-                scaler.scale(loss / plan.micro_steps).backward()
-            losses += loss.detach()
-    scaler.unscale_(optimizer)  # clip the true gradients
-    grad_norm = opt.clip_grad_norm_(train_model, optimizer, grad_clip)  # over every rank, stage
-    guard.step(optimizer, scaler, losses, grad_norm)
-    plan.after_step()  # the stages' work on the stepped weights (+opt=float8's scales)
-    optimizer.zero_grad(set_to_none=True)
+    losses = step.forward_backward(inputs, targets)
+    grad_norm = step.clip_grad_norm_(grad_clip)  # over every rank, every pipeline stage
+    step.optimizer_step(losses, grad_norm)
     return losses, grad_norm
 
 
@@ -147,7 +120,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     ceiling = matmul_ceiling(dist.device) if cfg.perf.matmul_ceiling else {}  # logged at step 0
     reset_memory_peaks(dist.device)
     plan = opt.plan(cfg, dist)
-    dist = dist.with_mesh(plan.pp_degree, plan.tp_degree, plan.dp_replicas)  # pp, tp, HSDP
+    dist = dist.with_parallel(plan.parallel)  # the pp x dp x tp mesh (HSDP: dp twice), if any
     folder = rundir.RunFolder(run_dir, resume=cfg.train.resume) if dist.is_main else None
     run = RunState.start(run_dir, cfg)  # step 0, or the checkpoint's: config and corpus checked
     opt.check_resume(plan, saved_stages=run.stages if cfg.train.resume else None)
@@ -172,17 +145,18 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     run.check_shape(model.config)
     whole = model.num_params(exclude_positions=False), model.flops_per_token(cfg.model.block_size)
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)  # pp: this rank's stages
-    evaluated = train_model if isinstance(train_model, opt.Pipeline) else model  # pp: pipeline
-    validate = functools.partial(validation, evaluated, val_loader, zero_shot, plan, dist)
 
     # ---- optimizer, loss scaler (a no-op unless amp runs in float16), non-finite guard, the
-    # state a resume continues from; then the stages that change when the optimizer steps
-    # (opt_in_backward: in backward; after the restore, which may step it once to shape its state)
+    # state a resume continues from; then the step the loop runs, as the stages arrange it
+    # (opt_in_backward: in backward, after the restore, which may step it once to shape its
+    # state; pp: the pipeline's schedule), and what the evaluation runs through
     optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs, plan.optimizer_class)
     scaler = plan.grad_scaler(dist.device)
     guard = NonFiniteGuard(dist.device, dist, cfg.train.max_bad_steps)
-    run.restore(model, optimizer, scaler, rank=dist.rank)  # on resume: weights, optimizer, RNG
-    opt.apply_optimizer_stages(optimizer, plan, guard, model)
+    layouts = opt.checkpoint_layouts(plan)  # how a stage's parameters look saved (tp's QKV)
+    run.restore(model, optimizer, scaler, dist.rank, layouts)  # resume: weights, optimizer, RNG
+    stepper = opt.build_step(cfg.opt, plan, guard, model, train_model, optimizer, scaler)
+    validate = functools.partial(validation, stepper.evaluated, val_loader, zero_shot, plan, dist)
 
     # ---- the run folder (config, metrics so far, logger); what this run's checkpoints save
     resolved = config.resolved(cfg, model.config)
@@ -194,11 +168,11 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     # ---- the loop. Nothing in it waits for the GPU except at log, eval and checkpoint steps.
     meter = LoopMeter(
         dist.device, batches, perf_args(cfg, whole[1], model, plan, dist), started=started,
-        warmup_steps=cfg.perf.warmup_steps, compiled="compile" in plan.stages,
+        warmup_steps=cfg.perf.warmup_steps, compiled=plan.compiled,
     )  # fmt: skip
     losses = LossWindow(dist.device)  # summed on the device: no .item() per step
     step = run.step
-    saver = checkpoint.Saver.for_run(run_dir, dist, t)  # train.checkpoint_interval, keep_*, ...
+    saver = checkpoint.Saver.for_run(run_dir, dist, t, layouts)  # checkpoint_interval, keep_*
     with checkpoint.StopSignal() as stop:  # from the first evaluation on: it may take minutes
         if step == 0:
             validated(logger, step, validate)
@@ -210,9 +184,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                                max_steps=max_steps)  # fmt: skip
             set_learning_rate(optimizer, lr)
             inputs, targets = next(batches)
-            step_losses, grad_norm = train_step(
-                train_model, optimizer, scaler, inputs, targets, plan, t.grad_clip, guard
-            )
+            step_losses, grad_norm = train_step(stepper, inputs, targets, t.grad_clip)
             losses.add(step_losses, plan.micro_steps)
             meter.step()
             profiler.step()
@@ -221,7 +193,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
             if step % t.log_interval == 0 or step == max_steps:
                 with meter.paused():  # the step times are read: waits for the GPU
                     metrics = train_metrics(meter, losses, lr, grad_norm, guard, scaler, step, dist)
-                    logger.log(metrics | opt.stage_metrics(train_model), step)  # pp: the bubble
+                    logger.log(metrics | stepper.metrics(), step)  # pp: the bubble
             val_loss = None  # this step's, when evaluated: keep_best's measure of a checkpoint
             if step % t.eval_interval == 0 or step == max_steps:
                 with meter.paused():
@@ -246,7 +218,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
                                "attention_kernel": plan.attention_kernel,  # opt/attention.py
                                **meter.summary(), **memory_gib(dist.device)}  # fmt: skip
     # Every rank samples (FSDP needs them all); not under pp: sample.py reads its checkpoint.
-    if step == max_steps and cfg.sample.num_samples and evaluated is model:
+    if step == max_steps and cfg.sample.num_samples and not dist.parallel.pp_enabled:
         final_samples(model, cfg, plan, dist, run_dir, step)
     summary = logger.finish(summary, run_dir)
     distributed.log(report(summary, run_dir, dist.device))

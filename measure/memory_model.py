@@ -175,7 +175,7 @@ def plan_setup(cfg: DictConfig, nproc: int) -> Setup:
     # The planned run is on a GPU, where offload acts (opt.offload.offloads)
     sharded = "fsdp" if "fsdp" in stages else "offload" if "offload" in stages else ""
     return Setup(
-        stages=stages, world=nproc, shards=nproc // p.dp_replicas,
+        stages=stages, world=nproc, shards=nproc // p.parallel.dp_replicate,
         tokens=p.micro_batch_size * cfg.model.block_size,
         micro_steps=p.micro_steps, defer_reduce=p.defer_reduce,
         compute=2 if amp else 4,

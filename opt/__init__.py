@@ -35,17 +35,17 @@ apply). STAGES lists them in the one order they run, whatever order they were li
                                              parameters that every model stage has settled.
 
 To add a stage: a yaml file with its knobs nested under its own name, a module that declares
-its `STAGE` (opt/stage.py), and one line in STAGES.
+its `STAGE` (opt/stage.py: its phase, knobs and hooks), one line in STAGES, and its test
+(docs/adding_a_stage.md walks through one).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from omegaconf import DictConfig
-from torch.distributed.tensor import DTensor
 
 from model import GPT
 from opt import (
@@ -70,10 +70,11 @@ from opt import (
     workers,
 )  # fmt: skip
 from opt.accum import gradient_sync
-from opt.pp import Pipeline
-from opt.stage import PLANNED, Context, Phase, Plan, Stage
+from opt.stage import PLANNED, Context, Phase, Plan, Stage, Step
+from opt.step import LoopStep
 from recipe import knobs
-from recipe.distributed import Distributed
+from recipe.checkpoint import StateLayout
+from recipe.distributed import Distributed, ParallelDims
 from recipe.errors import ConfigError
 from recipe.guard import NonFiniteGuard
 
@@ -89,8 +90,8 @@ STAGES: tuple[Stage, ...] = (
 ORDER = tuple(stage.name for stage in STAGES)  # their names, in that order
 
 __all__ = [
-    "ORDER", "STAGES", "Pipeline", "Plan", "apply_model_stages", "apply_optimizer_stages",
-    "check_resume", "clip_grad_norm_", "gradient_sync", "plan", "stage_metrics",
+    "ORDER", "STAGES", "Plan", "Step", "apply_model_stages", "build_step", "check_resume",
+    "checkpoint_layouts", "gradient_sync", "plan",
 ]  # fmt: skip
 
 
@@ -138,7 +139,8 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
     for stage in chosen:  # the knobs first: a typo is the first thing to hear about
         _check_knobs(stage, cfg.opt[stage.name])
     check(stages, dist)
-    p = Plan(stages=stages, batch_size=cfg.train.batch_size)
+    parallel = ParallelDims(dist.world_size)  # the stages that split the model set its degrees
+    p = Plan(stages=stages, batch_size=cfg.train.batch_size, parallel=parallel)
     ctx = Context(dist, p, cfg=cfg)
     for stage in chosen:
         if stage.check:
@@ -156,64 +158,60 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
 def check_resume(p: Plan, saved_stages: list[str] | None) -> None:
     """Refuses a resume (of a checkpoint written with `saved_stages`; None: not a resume) that
     a selected stage cannot make."""
-    for stage in STAGES:
-        if saved_stages is not None and stage.name in p.stages and stage.check_resume:
+    for stage in _chosen(p):
+        if saved_stages is not None and stage.check_resume:
             stage.check_resume(saved_stages)
 
 
-def apply_model_stages(model: GPT, opt: DictConfig, p: Plan, dist: Distributed) -> torch.nn.Module:
-    """Applies the model stages in their fixed order; returns the module to train with.
+def apply_model_stages(
+    model: GPT, opt_cfg: DictConfig, p: Plan, dist: Distributed
+) -> torch.nn.Module:
+    """Prepares the model as the selected stages ask (their `prepare_model`: dtypes), then
+    applies the model stages in their fixed order; returns the module to train with.
 
     `model` itself stays the plain module (changed in place), for checkpoints and sampling."""
-    model.residual_dtype = p.residual_dtype  # opt.amp.residual (planned with the numerics)
-    if p.weights_dtype is not None:  # opt.lowbit.weights=bfloat16: before any stage wraps it
-        lowbit.store_matrices_in(model, p.weights_dtype)
-    return _run("model", opt, Context(dist, p, model=model, module=model)) or model
+    ctx = Context(dist, p, model=model, module=model)
+    for stage in _chosen(p):
+        if stage.prepare_model:
+            ctx.knobs = opt_cfg.get(stage.name)
+            stage.prepare_model(ctx)
+    _run("model", opt_cfg, ctx)
+    return ctx.module
 
 
-def apply_optimizer_stages(
-    optimizer: torch.optim.Optimizer, p: Plan, guard: NonFiniteGuard, model: GPT
-) -> None:
-    """Applies the stages that change how `model`'s built optimizer steps: +opt=opt_in_backward
-    (which steps `model`'s blocks); sets `p.after_step`, what the trainer calls after each
-    step: the selected stages' `after_optimizer_step` (+opt=float8's scales), in ORDER."""
-    context = Context(guard.dist, p, model=model, optimizer=optimizer, guard=guard)
-    _run("step", DictConfig({}), context)
+def build_step(
+    opt_cfg: DictConfig,
+    p: Plan,
+    guard: NonFiniteGuard,
+    model: GPT,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+) -> Step:
+    """Applies the stages that change how `model`'s built optimizer steps (+opt=opt_in_backward:
+    in backward), then returns the step the loop runs on `module` (the model stages' module):
+    the one a selected stage runs (+opt=pp's pipeline, opt_in_backward's), else the plain
+    loop's, with the selected stages' `after_optimizer_step` hooks."""
+    ctx = Context(guard.dist, p, model=model, module=module, optimizer=optimizer, guard=guard)
+    _run("step", opt_cfg, ctx)
     hooks = [
-        s.after_optimizer_step for s in STAGES if s.name in p.stages and s.after_optimizer_step
+        functools.partial(stage.after_optimizer_step, replace(ctx, knobs=opt_cfg.get(stage.name)))
+        for stage in _chosen(p)
+        if stage.after_optimizer_step
     ]
-    if hooks:
-        p.after_step = functools.partial(_after_optimizer_step, hooks, context)
+    make = next((stage.step for stage in _chosen(p) if stage.step), LoopStep)
+    return make(ctx, scaler, hooks)
 
 
-def _after_optimizer_step(hooks: list[Callable[[Context], None]], context: Context) -> None:
-    for hook in hooks:
-        hook(context)
+def checkpoint_layouts(p: Plan) -> list[StateLayout]:
+    """How the selected stages' parameters are laid out in a checkpoint, for the checkpoint's
+    save and restore (+opt=tp's strided QKV)."""
+    return [stage.checkpoint_layout for stage in _chosen(p) if stage.checkpoint_layout]
 
 
-def clip_grad_norm_(
-    train_model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
-) -> torch.Tensor:
-    """Clips the step's gradients to the global norm `max_norm` and returns that norm (on the
-    device): over every pipeline stage under +opt=pp, as measured in backward under
-    +opt=opt_in_backward (which refuses clipping), over all ranks' shards under FSDP."""
-    tp.reduce_pending_grads([p for group in optimizer.param_groups for p in group["params"]])
-    if isinstance(train_model, Pipeline):
-        return train_model.clip_grad_norm_(max_norm)
-    measured = opt_in_backward.grad_norm_measured(optimizer)
-    if measured is not None:
-        return measured
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if isinstance(grad_norm, DTensor):  # FSDP: the global norm, replicated on every rank
-        grad_norm = grad_norm.full_tensor()
-    return grad_norm
-
-
-def stage_metrics(train_model: torch.nn.Module) -> dict[str, float]:
-    """What the model stages measure of the steps since the last log step (every rank calls
-    it: a collective): +opt=pp's bubble, measured and in theory."""
-    return train_model.bubble_metrics() if isinstance(train_model, Pipeline) else {}
+def _chosen(p: Plan) -> list[Stage]:
+    """The selected stages, in ORDER."""
+    return [stage for stage in STAGES if stage.name in p.stages]
 
 
 def _check_knobs(stage: Stage, node: DictConfig) -> None:
@@ -225,17 +223,19 @@ def _check_knobs(stage: Stage, node: DictConfig) -> None:
         raise ConfigError(f"{key} is not a setting: +opt={stage.name} has no knobs")
 
 
-def _run(phase: Phase, opt: DictConfig, ctx: Context) -> torch.nn.Module | None:
+def _run(phase: Phase, opt_cfg: DictConfig, ctx: Context) -> None:
     """Applies the stages of `phase` in their order (and the unselected ones' `unselected`);
-    returns the module to train with (model phase)."""
+    what a model stage returns becomes the module to train with (ctx.module), what a step stage
+    returns the optimizer to step (ctx.optimizer)."""
     for stage in STAGES:
         if stage.phase != phase:
             continue
         apply = stage.apply if stage.name in ctx.plan.stages else stage.unselected
         if apply is None:
             continue
-        ctx.knobs = opt.get(stage.name)
+        ctx.knobs = opt_cfg.get(stage.name)
         result = apply(ctx)
         if phase == "model" and isinstance(result, torch.nn.Module):
             ctx.module = result
-    return ctx.module
+        elif phase == "step" and isinstance(result, torch.optim.Optimizer):
+            ctx.optimizer = result

@@ -23,20 +23,20 @@ from recipe.errors import ConfigError
 from recipe.knobs import count
 
 
-def apply_accum(batch_size: int, cfg: DictConfig, fsdp: bool) -> tuple[int, bool]:
-    """The number of micro-steps per optimizer step, and whether the gradient reduction waits for
-    the last one."""
-    if cfg.steps < 1 or batch_size % cfg.steps:
+def micro_steps(batch_size: int, cfg: DictConfig) -> int:
+    """The number of micro-steps per optimizer step (when the gradients are reduced over the
+    ranks: `Plan.defer_reduce`)."""
+    if batch_size % cfg.steps:
         raise ConfigError(
             f"opt.accum.steps={cfg.steps} must divide the batch size {batch_size} "
             "(train.batch_size, or opt.bs.batch_size with +opt=bs)"
         )
-    defer = not fsdp or cfg.defer_fsdp_reduce
+    under_fsdp = "the last one" if cfg.defer_fsdp_reduce else "each one"
     log(
         f"[opt] accum: {cfg.steps} micro-batches of {batch_size // cfg.steps} per step, gradients "
-        f"reduced {'after the last one' if defer else 'after each one'} (when distributed)"
+        f"reduced after the last one (when distributed; under FSDP after {under_fsdp})"
     )
-    return cfg.steps, defer
+    return cfg.steps
 
 
 def gradient_sync(model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
@@ -57,7 +57,8 @@ class Knobs:
 
 def _apply(ctx: Context) -> None:
     p = ctx.plan
-    p.micro_steps, p.defer_reduce = apply_accum(p.batch_size, ctx.knobs, "fsdp" in p.stages)
+    p.micro_steps = micro_steps(p.batch_size, ctx.knobs)
+    p.defer_fsdp_reduce = ctx.knobs.defer_fsdp_reduce
 
 
 STAGE = Stage("accum", "batch", _apply, Knobs)

@@ -38,7 +38,7 @@ class Precision:
     weight_cache: bool  # autocast caches its weight casts
 
 
-def apply_amp(cfg: DictConfig, device: torch.device) -> Precision:
+def precision(cfg: DictConfig, device: torch.device) -> Precision:
     """The precision `cfg` (opt.amp) asks for on `device`.
 
     The cache keeps each weight's low-precision copy until the autocast region ends, so a weight
@@ -75,8 +75,6 @@ def resolve_dtype(choice: str, device: torch.device) -> str:
     if choice == AUTO:
         native = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
         return "bfloat16" if native else "float16"
-    if choice not in DTYPES:
-        raise ConfigError(f"opt.amp.dtype={choice!r}: choose auto, float16 or bfloat16")
     return choice
 
 
@@ -88,10 +86,16 @@ class Knobs:
 
 
 def _apply(ctx: Context) -> None:
-    precision = apply_amp(ctx.knobs, ctx.dist.device)
+    chosen = precision(ctx.knobs, ctx.dist.device)
     p = ctx.plan
-    p.amp_dtype, p.scale_loss = precision.dtype, precision.scale_loss
-    p.residual_dtype, p.amp_weight_cache = precision.residual_dtype, precision.weight_cache
+    p.amp_dtype, p.scale_loss = chosen.dtype, chosen.scale_loss
+    p.residual_dtype, p.amp_weight_cache = chosen.residual_dtype, chosen.weight_cache
 
 
-STAGE = Stage("amp", "numerics", _apply, Knobs)
+def _prepare_model(ctx: Context) -> None:
+    """The residual stream's dtype as planned (opt.amp.residual=compute; float32 under
+    opt.lowbit.weights=bfloat16), before any stage wraps the model."""
+    ctx.model.residual_dtype = ctx.plan.residual_dtype
+
+
+STAGE = Stage("amp", "numerics", _apply, Knobs, prepare_model=_prepare_model)

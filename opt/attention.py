@@ -263,7 +263,7 @@ def apply_attention(ctx: Context, backend: str) -> None:
     if torch.autograd._profiler_enabled():  # +prof=trace's profiler: its trace names it
         plan.attention_kernel = "not probed: the run's profiler is on (see its trace)"
     else:
-        heads = c.n_head // plan.tp_degree  # this rank's, under +opt=tp
+        heads = c.n_head // plan.parallel.tp  # this rank's, under +opt=tp
         shape = (plan.micro_batch_size, heads, c.block_size, c.n_embd // c.n_head)
         # FlexAttention's kernel is Inductor's: probed compiled, as the compiled model runs it
         probe = torch.compile(attend.__call__) if isinstance(attend, Flex) else attend

@@ -11,14 +11,11 @@ from omegaconf import DictConfig
 
 from opt.stage import Context, Stage
 from recipe.distributed import log
-from recipe.errors import ConfigError
 from recipe.knobs import count
 
 
-def apply_bs(cfg: DictConfig) -> int:
+def batch_size(cfg: DictConfig) -> int:
     """The new per-rank batch size (sequences per optimizer step)."""
-    if cfg.batch_size < 1:
-        raise ConfigError(f"opt.bs.batch_size must be >= 1, got {cfg.batch_size}")
     log(f"[opt] bs: {cfg.batch_size} sequences per step per rank")
     return cfg.batch_size
 
@@ -29,7 +26,7 @@ class Knobs:
 
 
 def _apply(ctx: Context) -> None:
-    ctx.plan.batch_size = apply_bs(ctx.knobs)
+    ctx.plan.batch_size = batch_size(ctx.knobs)
 
 
 STAGE = Stage("bs", "batch", _apply, Knobs)

@@ -162,8 +162,15 @@ class Knobs:
 
 def _apply(ctx: Context) -> None:
     # Under FSDP (and offload's FSDP) and pp, in pieces: each block, embed and head.
-    pieces = ctx.plan.fully_sharded or "pp" in ctx.plan.stages
+    parallel = ctx.plan.parallel
+    pieces = parallel.fully_sharded or parallel.pp_enabled
     apply_compile(ctx.model, ctx.knobs, sharded=pieces, amp_dtype=ctx.plan.amp_dtype)
 
 
-STAGE = Stage("compile", "model", _apply, Knobs, check=lambda ctx: check_compile(ctx.knobs))
+def _plan(ctx: Context) -> None:
+    ctx.plan.compiled = True
+
+
+STAGE = Stage(
+    "compile", "model", _apply, Knobs, check=lambda ctx: check_compile(ctx.knobs), plan=_plan
+)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from opt.pp import Pipeline, data_parallel_roots
+from opt.pp import data_parallel_roots
 from opt.stage import Context, Stage
 from recipe.distributed import Distributed, log
 from recipe.errors import ConfigError
@@ -47,8 +47,10 @@ def apply_ddp(model: torch.nn.Module, cfg: DictConfig | None, dist: Distributed)
     instead."""
     cfg = default_knobs() if cfg is None else cfg
     check_ddp(cfg)
-    if dist.mesh is not None:  # tp: DTensor parameters, which DDP's reducer cannot take; pp:
-        return _replicate_on_mesh(model, dist)  # stages the schedule must find replicated
+    # tp: DTensor parameters, which DDP's reducer cannot take; pp: stages the schedule must find
+    # replicated.
+    if dist.parallel.mesh is not None:
+        return _replicate_on_mesh(model, dist)
     # Read when compile first traces the model inside DDP's forward, i.e. after this.
     torch._dynamo.config.optimize_ddp = cfg.optimize_ddp
     ddp = DistributedDataParallel(
@@ -73,10 +75,9 @@ def _replicate_on_mesh(model: torch.nn.Module, dist: Distributed) -> torch.nn.Mo
     pipeline stage a root (data_parallel_roots); DDP's knobs do not apply."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    assert dist.mesh is not None
-    for root in data_parallel_roots(model):
-        replicate(root, mesh=dist.dp_mesh)
-    shard = "pipeline stage" if isinstance(model, Pipeline) else "tp shard"
+    for root in data_parallel_roots(model, dist.parallel):
+        replicate(root, mesh=dist.parallel.dp_mesh)
+    shard = "pipeline stage" if dist.parallel.pp_enabled else "tp shard"
     log(f"[opt] ddp: {dist.dp_size} replicas of each {shard} (FSDP2 replicate)")
     return model
 
@@ -120,15 +121,11 @@ class Knobs:
     optimize_ddp: Literal["ddp_optimizer", "no_optimization"]
 
 
-# The stages that spread the model themselves: no DDP wrapper then.
-SPREAD_OTHERWISE = ("fsdp", "offload")
-
-
 def _apply(ctx: Context) -> torch.nn.Module | None:
     """Any run with several data-parallel replicas uses DDP, with +opt=ddp's knobs or
     conf/opt/ddp.yaml's (a tp group or a pipeline alone needs none; FSDP and offload spread it
     otherwise)."""
-    if ctx.dist.dp_size < 2 or any(s in ctx.plan.stages for s in SPREAD_OTHERWISE):
+    if ctx.dist.dp_size < 2 or ctx.plan.parallel.fully_sharded:
         return None
     return apply_ddp(ctx.module, ctx.knobs, ctx.dist)
 

@@ -190,7 +190,7 @@ def _apply(ctx: Context) -> None:
         + (", weights gathered in float8 under FSDP" if knobs.fsdp_all_gather else "")
         + (", emulated (float32 matmuls)" if knobs.emulate else "")
     )
-    if "compile" not in ctx.plan.stages and not knobs.emulate:
+    if not ctx.plan.compiled and not knobs.emulate:
         log(
             "[opt] float8 without +opt=compile: the casts and scales run as separate kernels, "
             "slower than bfloat16; add +opt=compile for the speed"

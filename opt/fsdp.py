@@ -27,7 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from opt.pp import data_parallel_roots
 from opt.stage import Context, Stage
-from recipe.distributed import Distributed, hsdp_shards, log, mesh_shape
+from recipe.distributed import Distributed, hsdp_shards, log
 from recipe.knobs import count
 
 MixedPrecision = Literal["autocast", "pure"]
@@ -55,8 +55,8 @@ def apply_fsdp(
         )
     if cfg.cpu_offload:  # pinned host memory speeds up copies to a GPU (pinning needs one)
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda")
-    if dist.mesh is not None:  # +opt=tp, +opt=pp, HSDP: over the mesh's data-parallel dims
-        kwargs["mesh"] = dist.shard_mesh
+    if dist.parallel.mesh is not None:  # +opt=tp, +opt=pp, HSDP: the mesh's data-parallel dims
+        kwargs["mesh"] = dist.parallel.shard_mesh
     for block in model.transformer.h.children():  # a ModuleDict of this rank's blocks under pp
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
     # The root's parameters (embeddings, final norm) are needed again at once by the tied head.
@@ -85,16 +85,15 @@ def _plan(ctx: Context) -> None:
     """The precision FSDP casts to, and HSDP's replicas (checked against the processes the
     model-splitting stages, planned before, leave to data parallelism)."""
     p = ctx.plan
-    p.fully_sharded = True
+    p.parallel.fully_sharded = True
     p.pure_low_precision = p.amp_dtype is not None and pure_low_precision(ctx.knobs)
-    dp_size = mesh_shape(ctx.dist.world_size, p.pp_degree, p.tp_degree)[1]
-    hsdp_shards(dp_size, ctx.knobs.replicas)
-    p.dp_replicas = ctx.knobs.replicas
+    hsdp_shards(p.parallel.dp_size, ctx.knobs.replicas)
+    p.parallel.dp_replicate = ctx.knobs.replicas
 
 
 def _apply(ctx: Context) -> torch.nn.Module:
     """Shards the model, or under +opt=pp each stage of the pipeline (which it returns)."""
-    roots = data_parallel_roots(ctx.module)
+    roots = data_parallel_roots(ctx.module, ctx.plan.parallel)
     apply_fsdp(ctx.model, ctx.knobs, ctx.dist, ctx.plan.amp_dtype, roots)
     return ctx.module
 

@@ -51,7 +51,7 @@ from recipe.errors import ConfigError
 TAG = "lowbit_bits"  # marks a quantized moment saved as its parts; its value: 8 or 4
 
 
-def apply_lowbit(cfg: DictConfig, device_type: str = "cuda") -> type[torch.optim.Optimizer]:
+def optimizer_class(cfg: DictConfig, device_type: str = "cuda") -> type[torch.optim.Optimizer]:
     """The optimizer class for `cfg.bits` and `cfg.impl`, built by the trainer like AdamW (same
     groups, learning rate, betas and weight decay), for parameters on a `device_type` device."""
     try:
@@ -244,7 +244,7 @@ class Knobs:
 
 
 def _apply(ctx: Context) -> None:
-    ctx.plan.optimizer_class = apply_lowbit(ctx.knobs, ctx.dist.device.type)
+    ctx.plan.optimizer_class = optimizer_class(ctx.knobs, ctx.dist.device.type)
     if ctx.knobs.weights == "bfloat16":
         store_weights_in_bfloat16(ctx.plan)
 
@@ -284,9 +284,15 @@ def store_weights_in_bfloat16(plan: Plan) -> None:
     plan.optimizer_kwargs["bf16_stochastic_round"] = True  # torchao's update; ours reads it too
 
 
+def _prepare_model(ctx: Context) -> None:
+    """opt.lowbit.weights=bfloat16: the matrices stored so before any stage wraps the model."""
+    if ctx.plan.weights_dtype is not None:
+        store_matrices_in(ctx.model, ctx.plan.weights_dtype)
+
+
 OWN_IMPLEMENTATION = "torchao's low-bit AdamW is its own implementation"
 STAGE = Stage(
-    "lowbit", "optimizer", _apply, Knobs,
+    "lowbit", "optimizer", _apply, Knobs, prepare_model=_prepare_model,
     conflicts={"forloop": OWN_IMPLEMENTATION, "foreach": OWN_IMPLEMENTATION,
                "fused": OWN_IMPLEMENTATION,
                "offload": "two ways to shrink the optimizer state on the GPU"},

@@ -13,14 +13,14 @@ from opt.stage import Context, Stage
 from recipe.distributed import log
 
 
-def apply_non_blocking(options: LoaderOptions, device: torch.device) -> LoaderOptions:
+def with_pinned_batches(options: LoaderOptions, device: torch.device) -> LoaderOptions:
     pin = device.type == "cuda"  # page-locking helps only transfers to an accelerator
     log(f"[opt] non_blocking: pinned batches {'on' if pin else 'off (CPU run)'}, async copies")
     return replace(options, pin_memory=pin, non_blocking=True)
 
 
 def _apply(ctx: Context) -> None:
-    ctx.plan.loader = apply_non_blocking(ctx.plan.loader, ctx.dist.device)
+    ctx.plan.loader = with_pinned_batches(ctx.plan.loader, ctx.dist.device)
 
 
 STAGE = Stage("non_blocking", "input", _apply)

@@ -90,7 +90,7 @@ class Knobs:
 
 def _plan(ctx: Context) -> None:
     """On a GPU the model is wrapped by FSDP (its CPU offload): the trainer's scaler must know."""
-    ctx.plan.fully_sharded = offloads(ctx.dist.device)
+    ctx.plan.parallel.fully_sharded = offloads(ctx.dist.device)
 
 
 STAGE = Stage(

@@ -37,15 +37,44 @@ saving, each block's backward being its own graph).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 
 from opt.stage import Context, Stage
+from opt.step import LoopStep
 from recipe.distributed import log
 from recipe.errors import ConfigError
 from recipe.guard import NonFiniteGuard, step_unless
+
+
+class StepInBackward(torch.optim.Optimizer):
+    """`optimizer` stepped in backward, as torchtitan's in-backward optimizer container: every
+    parameter is hooked so that backward steps each of `model`'s blocks as soon as the block's
+    last gradient is ready (its gradients clipped against `max_norm` by an estimate of the
+    step's global norm, `_NormEstimate`), then frees the block's gradients. It shares the
+    optimizer's parameter groups (the learning rate the schedule sets) and state (what a
+    checkpoint saves); its own `step()` has nothing left to do, and `grad_norm()` is the norm of
+    the gradients the blocks stepped with."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, max_norm: float
+    ) -> None:
+        super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
+        self.state = optimizer.state
+        self.inner = optimizer  # the real update, which the hooks call
+        self.blocks = _Blocks(optimizer, _blocks_of(optimizer, model), max_norm)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.register_post_accumulate_grad_hook(self.blocks.gradient_ready)
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """Every parameter stepped in backward already."""
+
+    def grad_norm(self) -> torch.Tensor:
+        """The norm of every gradient of the last backward (not finite if one was not)."""
+        return self.blocks.take_norm()
 
 
 def apply_opt_in_backward(
@@ -53,35 +82,33 @@ def apply_opt_in_backward(
     guard: NonFiniteGuard,
     model: torch.nn.Module,
     max_norm: float = float("inf"),
-) -> int:
-    """Hooks every parameter of `optimizer` so that backward steps each of `model`'s blocks as
-    soon as the block's last gradient is ready (its gradients clipped against `max_norm` by an
-    estimate of the step's global norm, `_NormEstimate`), then frees the block's gradients, and
-    makes `optimizer.step()` do nothing (the trainer's step finds the work done, as with
-    torchtitan's in-backward optimizer container); returns the number of hooked parameters."""
-    blocks = _Blocks(optimizer, _blocks_of(optimizer, model), max_norm)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.register_post_accumulate_grad_hook(blocks.gradient_ready)
-    # The trainer's step (recipe/guard.py) hands this optimizer the step's verdict as fused AdamW
-    # gets it, without a sync: there is nothing left to skip.
-    optimizer.step = _stepped_in_backward  # type: ignore[method-assign,assignment]
-    optimizer.reads_found_inf = True  # type: ignore[attr-defined]
-    optimizer.blocks_in_backward = blocks  # type: ignore[attr-defined]  # grad_norm_measured
+) -> StepInBackward:
+    """`optimizer`, stepping each of `model`'s blocks in backward (`StepInBackward`): the
+    optimizer the trainer's step steps."""
+    stepped = StepInBackward(optimizer, model, max_norm)
     guard.partial_steps = True  # its error message: a bad step may be partly applied
-    hooked = len(blocks.block_of)
+    blocks = stepped.blocks
     clipped = (
         f", clipped to {max_norm:g} by the step's estimated norm" if max_norm < float("inf") else ""
     )
     log(
-        f"[opt] opt_in_backward: {hooked} parameters in {len(blocks.members)} blocks stepped by "
-        f"{type(optimizer).__name__} in backward, each block's gradients freed at once{clipped}"
+        f"[opt] opt_in_backward: {len(blocks.block_of)} parameters in {len(blocks.members)} "
+        f"blocks stepped by {type(optimizer).__name__} in backward, each block's gradients "
+        f"freed at once{clipped}"
     )
-    return hooked
+    return stepped
 
 
-def _stepped_in_backward(*args: Any, **kwargs: Any) -> None:
-    """The optimizer's `step()` under +opt=opt_in_backward: every parameter stepped already."""
+class InBackwardStep(LoopStep):
+    """The loop's step under +opt=opt_in_backward: backward has stepped every block already
+    (each skipping its update when its own gradients were not finite), so the norm is the one
+    measured there, and the guard only counts the step's verdict."""
+
+    def _clipped(self, max_norm: float) -> torch.Tensor:
+        return cast(StepInBackward, self.optimizer).grad_norm()
+
+    def _update(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.guard.stepped(loss, grad_norm)
 
 
 def _block_name(parameter_name: str) -> str:
@@ -114,7 +141,6 @@ class _Blocks:
         self, optimizer: torch.optim.Optimizer, members: list[list[Any]], max_norm: float
     ) -> None:
         self.optimizer, self.members, self.max_norm = optimizer, members, max_norm
-        self.real_step = optimizer.step  # the real update, for the hooks
         self.block_of = {param: index for index, block in enumerate(members) for param in block}
         self.ready: list[list[Any]] = [[] for _ in members]
         device = members[0][0].device
@@ -143,7 +169,7 @@ class _Blocks:
             coef = (self.max_norm / (estimate + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_'s
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         with _only(self.optimizer, params):
-            step_unless(self.optimizer, bad, self.real_step)
+            step_unless(self.optimizer, bad)
         for param in params:
             param.grad = None
 
@@ -170,7 +196,7 @@ class _NormEstimate:
     the norm `clip_grad_norm_` would see. On the first step, with no last step, the blocks still
     to come are taken to have the squared norm per parameter of those in so far.
 
-    Why not the last step's norm alone (the first version): it leaves the first step, whose
+    Why not the last step's norm alone: it leaves the first step, whose
     gradients are the run's largest, unclipped, and AdamW's second moment then remembers them
     for tens of steps (beta2 = 0.95), scaling the early updates down; and it sees a spike only a
     step late."""
@@ -212,15 +238,6 @@ class _NormEstimate:
         self._reset()
 
 
-def grad_norm_measured(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-    """The gradient norm of the step that `optimizer` took in backward; None for an optimizer
-    that steps after backward (its gradients are all there to measure)."""
-    # On the optimizer, not in a module-level map: a weak map whose value (the blocks) holds its
-    # key (the optimizer) would keep the optimizer, the model and its memory alive for good.
-    blocks = getattr(optimizer, "blocks_in_backward", None)
-    return blocks.take_norm() if blocks else None
-
-
 @contextlib.contextmanager
 def _only(optimizer: torch.optim.Optimizer, params: list[Any]) -> Iterator[None]:
     """The optimizer restricted to `params`: their groups' hyperparameters as they are now (the
@@ -257,7 +274,7 @@ STAGE = Stage(
     lambda ctx: apply_opt_in_backward(
         ctx.optimizer, ctx.guard, ctx.model, ctx.plan.clip_in_backward
     ),
-    plan=_plan,
+    plan=_plan, step=InBackwardStep,
     conflicts={
         "accum": "a step per micro-batch would not be the step of their summed gradients",
         "ddp": WOULD_STEP_BEFORE_REDUCE, "fsdp": WOULD_STEP_BEFORE_REDUCE,

@@ -18,7 +18,7 @@ from recipe.errors import ConfigError
 IMPLEMENTATIONS = ("forloop", "foreach", "fused")
 
 
-def apply_optimizer_impl(name: str, device: torch.device) -> dict:
+def adamw_kwargs(name: str, device: torch.device) -> dict:
     """AdamW's keyword arguments for the implementation `name`."""
     if name == "fused":
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -32,7 +32,7 @@ def apply_optimizer_impl(name: str, device: torch.device) -> dict:
 
 def _stage(name: str) -> Stage:
     def apply(ctx: Context) -> None:
-        ctx.plan.optimizer_kwargs = apply_optimizer_impl(name, ctx.dist.device)
+        ctx.plan.optimizer_kwargs = adamw_kwargs(name, ctx.dist.device)
 
     why = "both choose AdamW's implementation"
     others = {other: why for other in IMPLEMENTATIONS if other != name}

@@ -32,12 +32,13 @@ import itertools
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import torch
 import torch.distributed as torch_dist
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -47,9 +48,10 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from model import GPT, GPTConfig
-from opt import stage
+from opt.stage import Context, Plan, Stage
+from opt.step import LoopStep
 from opt.tp import ResidualStream, plain, residual_stream
-from recipe.distributed import Distributed, log, mesh_shape
+from recipe.distributed import Distributed, ParallelDims, log, mesh_shape
 from recipe.errors import ConfigError
 from recipe.knobs import count
 from recipe.metrics import StepTimer
@@ -71,7 +73,7 @@ def check_pp(
     pp = cfg.opt.pp
     mesh_shape(world_size, pp.degree, tp_degree)  # refuses a count the degrees do not divide
     interleaved = pp.schedule == "interleaved_1f1b"
-    if interleaved != (pp.stages_per_rank >= 2) or pp.stages_per_rank < 1:
+    if interleaved != (pp.stages_per_rank >= 2):
         raise ConfigError(
             f"opt.pp.stages_per_rank={pp.stages_per_rank} with opt.pp.schedule={pp.schedule}: "
             "interleaved_1f1b needs 2 or more stages per rank, gpipe and 1f1b exactly 1"
@@ -96,7 +98,7 @@ def check_pp(
 
 def _check_microbatches(pp: DictConfig, batch_size: int, stages: int) -> None:
     m = pp.microbatches
-    if m < 1 or batch_size % m:
+    if batch_size % m:
         raise ConfigError(
             f"opt.pp.microbatches={m} must divide the batch size {batch_size} (train.batch_size, "
             "or opt.bs.batch_size with +opt=bs)"
@@ -160,10 +162,10 @@ def stage_starts(model: GPT, split: list[int] | None, stages: int) -> list[int]:
 Autocast = Callable[[], contextlib.AbstractContextManager]
 
 
-class Stage(nn.Module):
-    """One pipeline stage: the embeddings (first stage), its blocks in order. It holds exactly
-    its parameters (the schedule scales their gradients); the last stage also holds the final
-    norm and the head, which the schedule's loss function runs (`GPT.head`). Under +opt=tp its
+class StageModule(nn.Module):
+    """One pipeline stage's module: the embeddings (first stage), its blocks in order. It holds
+    exactly its parameters (the schedule scales their gradients); the last stage also holds the
+    final norm and the head, which the schedule's loss function runs (`GPT.head`). Under +opt=tp its
     blocks compute on DTensors, and it sends and receives its tp rank's part of the residual
     stream as a plain tensor (`stream`)."""
 
@@ -269,7 +271,7 @@ class Pipeline(nn.Module):
 
     def __init__(
         self,
-        stages: list[Stage],
+        stages: list[StageModule],
         schedules: tuple[AnySchedule, AnySchedule],
         config: GPTConfig,
         dist: Distributed,
@@ -288,9 +290,9 @@ class Pipeline(nn.Module):
         # torch 2.11 refuses inputs given to a stage that receives them from another rank
         # (torch-workaround(<2.13): 2.13 takes them).
         self.holds_first = stages[0].embeddings is not None
-        assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
-        self.group = dist.mesh["pp"].get_group()
-        self.last_rank = dist.mesh["pp"].size() - 1  # holds the last stage under every schedule
+        pp_mesh = _mesh(dist)["pp"]
+        self.group = pp_mesh.get_group()
+        self.last_rank = pp_mesh.size() - 1  # holds the last stage under every schedule
         # The module holding this rank's copy of the tied weight, and its pair's group. The
         # weight is read from it when used: FSDP and replicate replace the parameters.
         self.tied_module, self.tied_group = tied
@@ -298,7 +300,7 @@ class Pipeline(nn.Module):
         self.holds_head_copy = self.tied_module is not None and stages[-1].head is not None
         # The measured bubble (`clock`), and the theory's for comparison.
         self.dist, self.clock = dist, clock
-        self.theory = bubble(dist.mesh["pp"].size(), microbatches, len(stages))
+        self.theory = bubble(pp_mesh.size(), microbatches, len(stages))
 
     def tied(self) -> torch.Tensor | None:
         """This rank's copy of the tied embedding/head weight (None between the two)."""
@@ -378,7 +380,7 @@ def apply_pp(
     model: GPT,
     cfg: DictConfig,
     dist: Distributed,
-    plan: stage.Plan,
+    plan: Plan,
 ) -> Pipeline:
     """Splits `model` (pruned in place to this rank's stages) into a pipeline; returns it.
     Under +opt=tp (applied before: its blocks are split over the mesh's tp dimension already)
@@ -387,18 +389,21 @@ def apply_pp(
     def autocast() -> contextlib.AbstractContextManager:
         return plan.autocast(dist.device)
 
-    stream = residual_stream(dist, plan.tp_sequence_parallel) if plan.tp_degree > 1 else None
-    assert dist.mesh is not None, "+opt=pp runs on the meshed processes (opt.plan)"
-    rank, degree = dist.mesh["pp"].get_local_rank(), cfg.degree
+    tp_enabled = dist.parallel.tp_enabled
+    stream = residual_stream(dist, plan.tp_sequence_parallel) if tp_enabled else None
+    pp_mesh = _mesh(dist)["pp"]
+    rank, degree = pp_mesh.get_local_rank(), cfg.degree
     n_stages = degree * cfg.stages_per_rank
     starts = stage_starts(model, cfg.split, n_stages)
     mine = list(range(rank, n_stages, degree))  # looped: rank r holds r, r+degree, ...
     first, last = mine[0] == 0, mine[-1] == n_stages - 1
     blocks = [i for s in mine for i in range(starts[s], starts[s + 1])]
     prune(model, blocks, first, last)
-    group = dist.mesh["pp"].get_group()
+    group = pp_mesh.get_group()
     stages = [
-        Stage(model, range(starts[s], starts[s + 1]), s == 0, s == n_stages - 1, autocast, stream)
+        StageModule(
+            model, range(starts[s], starts[s + 1]), s == 0, s == n_stages - 1, autocast, stream
+        )
         for s in mine
     ]
     clock = ComputeClock(dist.device)
@@ -440,6 +445,31 @@ def apply_pp(
     )  # fmt: skip
 
 
+class PipelineStep(LoopStep):
+    """The loop's step under +opt=pp: the schedule runs the micro-batches' forward and backward
+    (under the plan's loss context: +opt=tp's loss_parallel), the norm is the whole pipeline's,
+    evaluation runs through the pipeline (every rank holds a part of the model), and the log
+    steps get its bubble."""
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return cast(Pipeline, self.module)  # pp's apply, wrapped in place by dp's
+
+    @property
+    def evaluated(self) -> nn.Module:
+        return self.pipeline
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.plan.loss_context():  # the step's loss, the same on every stage
+            return self.pipeline.forward_backward(inputs, targets)
+
+    def _clipped(self, max_norm: float) -> torch.Tensor:
+        return self.pipeline.clip_grad_norm_(max_norm)
+
+    def metrics(self) -> dict[str, float]:
+        return self.pipeline.bubble_metrics()
+
+
 def bubble(degree: int, microbatches: int, stages_per_rank: int = 1) -> float:
     """The schedule's idle fraction per rank in theory, (p-1)/(v·m + p-1): filling and draining
     the pipeline takes p-1 stage-times of the v·m each rank computes (Megatron-LM's
@@ -455,10 +485,9 @@ def _tied_pair(
     embedding, the last stage's head; None in between) and the group of the two ranks holding
     it in this pipeline, where their gradients are summed. A collective: every rank makes every
     pipeline's pair (one per data-parallel rank)."""
-    assert dist.mesh is not None
     if first and last:  # a pipeline of one rank: the weight is still tied
         return None, None
-    ends = dist.mesh.mesh  # ranks as (pp, dp, tp): each pipeline's first and last stage
+    ends = _mesh(dist).mesh  # every rank as (pp, dp, tp): each pipeline's first and last stage
     firsts, lasts = ends[0].flatten().tolist(), ends[-1].flatten().tolist()
     pairs = [list(pair) for pair in zip(firsts, lasts, strict=True)]
     pair, _ = torch_dist.new_subgroups_by_enumeration(pairs)
@@ -468,6 +497,13 @@ def _tied_pair(
     if last:
         return model.lm_head, pair
     return None, None
+
+
+def _mesh(dist: Distributed) -> DeviceMesh:
+    """The processes' mesh, whose "pp" dimension says which stages a rank holds."""
+    mesh = dist.parallel.mesh
+    assert mesh is not None, "+opt=pp runs on the meshed processes (Distributed.with_parallel)"
+    return mesh
 
 
 def _laid_out_as(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -486,11 +522,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def data_parallel_roots(module: nn.Module) -> list[nn.Module]:
+def data_parallel_roots(module: nn.Module, parallel: ParallelDims) -> list[nn.Module]:
     """What a data-parallel wrapper (FSDP, replicate) wraps as its roots: each pipeline stage
     (which the schedule finds wrapped, to reduce its gradients at the last micro-batch), or the
     module itself outside a pipeline."""
-    return list(module.stages) if isinstance(module, Pipeline) else [module]
+    return list(cast(Pipeline, module).stages) if parallel.pp_enabled else [module]
 
 
 @dataclass
@@ -502,21 +538,21 @@ class Knobs:
     split: list | None  # block indices where stages start: checked by check_pp
 
 
-def _plan(ctx: stage.Context) -> None:
+def _plan(ctx: Context) -> None:
     p = ctx.plan
     # +opt=tp's plan ran first (ORDER): its degree is known.
     check_pp(ctx.cfg, batch_size=p.batch_size, world_size=ctx.dist.world_size,
-             scale_loss=p.scale_loss, tp_degree=p.tp_degree)  # fmt: skip
-    p.pp_degree = ctx.knobs.degree
+             scale_loss=p.scale_loss, tp_degree=p.parallel.tp)  # fmt: skip
+    p.parallel.pp = ctx.knobs.degree
 
 
-def _apply(ctx: stage.Context) -> torch.nn.Module:
+def _apply(ctx: Context) -> torch.nn.Module:
     """Each rank keeps its stages of the model; the pipeline runs them."""
     return apply_pp(ctx.model, ctx.knobs, ctx.dist, ctx.plan)
 
 
-STAGE = stage.Stage(
-    "pp", "model", _apply, Knobs, plan=_plan, check_resume=check_resume,
+STAGE = Stage(
+    "pp", "model", _apply, Knobs, plan=_plan, check_resume=check_resume, step=PipelineStep,
     conflicts={
         "accum": "opt.pp.microbatches is the pipeline's own gradient accumulation",
         "custom_op": "the fused head + loss has no ignored targets, which the pipeline's "

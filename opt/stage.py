@@ -13,24 +13,46 @@ run once the model and the optimizer exist.
     optimizer   sets ctx.plan's optimizer class and arguments     None
     model       changes ctx.model in place, or wraps ctx.module   the module to train with, or None
     step        changes how ctx.optimizer steps                   the optimizer to step, or None
+
+Besides `apply`, a stage may declare hooks for what happens around it, each optional:
+
+    hook                  runs                                         for
+    check(ctx)            in opt.plan, before any phase                what the knobs cannot do
+    plan(ctx)             in opt.plan, after the planning phases       a model or step stage's
+                                                                       decisions (the mesh's
+                                                                       degrees: ctx.plan.parallel)
+    unselected(ctx)       in its phase, when not selected              a process-wide reset, the
+                                                                       default DDP
+    check_resume(stages)  before restoring a checkpoint                refusing one it cannot read
+    prepare_model(ctx)    first in opt.apply_model_stages              the plain model, from the
+                                                                       plan (dtypes)
+    step                  the loop's Step (opt/step.py), one stage's   a step run otherwise: the
+                                                                       pipeline, the update in
+                                                                       backward
+    after_optimizer_step  after every optimizer step                   work on the updated weights
+    checkpoint_layout     on every save and restore                    parameters DCP cannot take
+                                                                       as they are (tp's QKV)
+
+docs/adding_a_stage.md walks through adding one.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from omegaconf import DictConfig
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from data import LoaderOptions
-from recipe.distributed import Distributed
+from recipe.distributed import Distributed, ParallelDims
 
 if TYPE_CHECKING:
     from model import GPT
+    from recipe.checkpoint import StateLayout
     from recipe.guard import NonFiniteGuard
 
 Phase = Literal["batch", "input", "numerics", "optimizer", "model", "step"]
@@ -45,7 +67,7 @@ class Plan:
     stages: list[str]  # the selected stages, in the order they are applied
     batch_size: int  # sequences per optimizer step per rank
     micro_steps: int = 1  # gradient-accumulation micro-steps per optimizer step
-    defer_reduce: bool = True  # reduce gradients over ranks after the last micro-step only
+    defer_fsdp_reduce: bool = False  # opt.accum.defer_fsdp_reduce: see defer_reduce
     loader: LoaderOptions = field(default_factory=LoaderOptions)
     amp_dtype: torch.dtype | None = None  # the amp stage's compute dtype; None: fp32
     pure_low_precision: bool = False  # FSDP casts the parameters to amp_dtype: no autocast
@@ -55,19 +77,15 @@ class Plan:
     amp_weight_cache: bool = True  # autocast caches its weight casts (opt.amp.weight_cache)
     optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW  # lowbit: torchao's
     optimizer_kwargs: dict = field(default_factory=dict)
-    tp_degree: int = 1  # +opt=tp: ranks per tensor-parallel group (Distributed.with_mesh)
+    # The parallel layout: the degrees that +opt=pp, +opt=tp and +opt=fsdp plan, and whether
+    # FSDP wraps the model; the trainer builds its mesh (Distributed.with_parallel).
+    parallel: ParallelDims = field(default_factory=lambda: ParallelDims(1))
     vocab_parallel_loss: bool = False  # +opt=tp's loss_parallel: see loss_context
     # What the loss's forward and backward run in, a fresh context manager per call: +opt=tp's
     # `loss_parallel` (the cross-entropy on vocabulary shards), else nothing.
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    # FSDP's `fully_shard` wraps the model: +opt=fsdp, or +opt=offload on a GPU (their plans).
-    fully_sharded: bool = False
-    # What the trainer calls after each optimizer step: the selected stages'
-    # `after_optimizer_step` (set by opt.apply_optimizer_stages), else nothing.
-    after_step: Callable[[], None] = lambda: None
     tp_sequence_parallel: bool = False  # +opt=tp: the residual stream split over the sequence
-    pp_degree: int = 1  # +opt=pp: pipeline ranks (the trainer's Distributed.with_mesh)
-    dp_replicas: int = 1  # +opt=fsdp's replicas: HSDP (Distributed.with_mesh)
+    compiled: bool = False  # +opt=compile: the first steps compile (the loop's meter says so)
     step_in_backward: bool = False  # opt_in_backward: each block steps from its grad hooks
     clip_in_backward: float = float("inf")  # opt_in_backward: train.grad_clip, norm estimated
     attention_kernel: str | None = None  # what computes attention, as profiled (opt/attention.py)
@@ -76,12 +94,19 @@ class Plan:
     def micro_batch_size(self) -> int:
         return self.batch_size // self.micro_steps
 
+    @property
+    def defer_reduce(self) -> bool:
+        """Whether gradients are reduced over the ranks after the last micro-step only: not
+        under FSDP, whose skipped reduce-scatters would keep full-size gradients between
+        micro-steps (opt/accum.py), unless opt.accum.defer_fsdp_reduce asks for it."""
+        return self.defer_fsdp_reduce or not self.parallel.fsdp_enabled
+
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         """The loss scaler: a no-op unless float16. Under FSDP each rank checks only its own
         gradient shards for overflow, so the ranks must agree on skipping a step: the
         ShardedGradScaler all-reduces that verdict (it also unscales offloaded gradients).
         So does +opt=tp, whose ranks hold shards of the gradients too."""
-        if self.scale_loss and (self.fully_sharded or "tp" in self.stages):
+        if self.scale_loss and (self.parallel.fully_sharded or self.parallel.tp_enabled):
             return ShardedGradScaler(device.type)
         return torch.amp.GradScaler(device.type, enabled=self.scale_loss)
 
@@ -112,6 +137,33 @@ class Context:
     guard: NonFiniteGuard = None  # type: ignore[assignment]  # step phase
 
 
+class Step(Protocol):
+    """One training step on this rank's batch, as the selected stages run it: what the loop
+    calls (train.py's train_step), implemented by the plain loop (opt/step.py's LoopStep) and
+    by the stages that run it otherwise (+opt=pp, +opt=opt_in_backward: their `Stage.step`)."""
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The micro-batches' forward and backward; the sum of their losses (on the device)."""
+        ...
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The gradients unscaled and clipped to the global norm `max_norm`; that norm."""
+        ...
+
+    def optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """The update unless `loss` or `grad_norm` is not finite, then the stages' hooks."""
+        ...
+
+    @property
+    def evaluated(self) -> torch.nn.Module:
+        """What the validation loss runs through."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """What the stages measured since the last log step (a collective)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -131,6 +183,17 @@ class Stage:
     unselected: Callable[[Context], Any] | None = None
     # Refuses, in one line, resuming a checkpoint written with these stages (its `stages`).
     check_resume: Callable[[list[str]], None] | None = None
-    # Run by the trainer after each optimizer step, with the step phase's context (+opt=float8:
-    # the float8 weights' scales for FSDP's next all-gather).
+    # What the model needs before any model stage wraps it, from the plan (amp's residual
+    # stream dtype, lowbit's bfloat16 weights); run first by opt.apply_model_stages, in ORDER.
+    prepare_model: Callable[[Context], None] | None = None
+    # The step the loop runs, when the stage runs it otherwise than the plain loop
+    # (opt/step.py's LoopStep): +opt=pp's schedule, +opt=opt_in_backward's update in backward.
+    step: Callable[[Context, torch.amp.GradScaler, Sequence[Callable[[], None]]], Step] | None = (
+        None
+    )
+    # Run after every optimizer step (from Step.optimizer_step), with the stage's context: e.g.
+    # a float8 stage's precomputed scales for FSDP's next all-gather.
     after_optimizer_step: Callable[[Context], None] | None = None
+    # How the stage's parameters are laid out in a checkpoint when DCP or set_state_dict cannot
+    # take them as they are (+opt=tp's strided QKV): recipe/checkpoint.py's StateLayout.
+    checkpoint_layout: StateLayout | None = None

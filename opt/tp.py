@@ -20,6 +20,8 @@ so that FSDP and gradient clipping see one kind of parameter. The model returns 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -122,18 +124,6 @@ def _replicated_targets(mesh: DeviceMesh) -> Any:
     return hook
 
 
-def reduce_pending_grads(params: list[torch.Tensor]) -> None:
-    """Lays out each gradient still pending a sum over the group (`Partial`: under sequence
-    parallelism the LayerNorms' and the positions' gradients are each rank's share of the
-    sequence) as its parameter, summed: before clipping, which on torch 2.11 scales no
-    `Partial` gradient (measured: one was left 7.7x over the clipped norm; the LayerNorm biases
-    of a tp run were 9% off the one-process run's after two steps), and before the optimizer."""
-    for p in params:
-        grad = p.grad
-        if isinstance(grad, DTensor) and any(x.is_partial() for x in grad.placements):
-            p.grad = grad.redistribute(placements=p.placements)  # type: ignore[attr-defined]
-
-
 def _plain_outputs(module: nn.Module, inputs: Any, outputs: tuple) -> tuple:
     return tuple(plain(o) for o in outputs)
 
@@ -163,18 +153,18 @@ class ResidualStream:
 
 def residual_stream(dist: Distributed, sequence_parallel: bool) -> ResidualStream:
     """The layout `apply_tp` gives the residual stream (Shard(1): over the sequence)."""
-    assert dist.mesh is not None, "opt.plan's mesh (Distributed.with_mesh) comes first"
-    return ResidualStream(dist.mesh["tp"], Shard(1) if sequence_parallel else Replicate())
+    mesh = dist.parallel.mesh
+    assert mesh is not None, "the plan's mesh (Distributed.with_parallel) comes first"
+    return ResidualStream(mesh["tp"], Shard(1) if sequence_parallel else Replicate())
 
 
 def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
     """Splits `model`'s matmuls over the mesh's "tp" dimension, in place (parameter names and
     the global weights unchanged)."""
     check_tp_model(cfg.degree, model.config)
-    assert dist.mesh is not None, "opt.plan's mesh (Distributed.with_mesh) comes first"
-    mesh = dist.mesh["tp"]
     # The residual stream between the sub-layers: split over the sequence, or whole.
-    residual = residual_stream(dist, cfg.sequence_parallel).placement
+    stream = residual_stream(dist, cfg.sequence_parallel)
+    mesh, residual = stream.mesh, stream.placement
 
     def norm(module: nn.Module) -> None:
         if cfg.sequence_parallel:
@@ -224,6 +214,150 @@ def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
     )
 
 
+class StridedLayout:
+    """+opt=tp's checkpoint layout (its `checkpoint_layout`): the strided DTensors (`c_attn`'s
+    fused QKV, and its optimizer state) saved gathered, in GPT-2's layout, so that DCP can write
+    and reshard them and a one-process run can read them; split back as the model holds them on
+    every load."""
+
+    def saved(self, tree: Any) -> Any:
+        """`tree` with its strided DTensors replicated (gathered: saved once)."""
+        return _map_strided(tree, lambda t, _: _replicated(t))
+
+    def own(self, tree: Any, like: Any) -> Any:
+        """`tree` (loaded as `saved` laid it out) with the placements of `like`."""
+        return _map_strided(tree, lambda t, own: _split_as(t, own), like)
+
+    def restore_whole(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, Any],
+        optim_state: dict[str, Any] | None,
+    ) -> Callable[[], None]:
+        """A whole (one-process) checkpoint's strided parameters and their optimizer state,
+        taken before `set_state_dict` splits them (wrongly: `_split_strided`), put in place
+        after it."""
+        strided = _whole_strided(model, model_state, optim_state)
+        return functools.partial(_split_strided, model, optimizer, strided)
+
+
+def _strided(value: Any) -> bool:
+    """A DTensor split in strides (+opt=tp's fused QKV: each rank a slice of q, of k and of v),
+    which DCP cannot describe: its shards are not one block each."""
+    return isinstance(value, DTensor) and any(
+        isinstance(p, _StridedShard) for p in value.placements
+    )
+
+
+def _map_strided(tree: Any, fn: Callable[[DTensor, Any], Any], like: Any = None) -> Any:
+    """`tree` with `fn(tensor, its counterpart in like)` in place of each strided DTensor."""
+    if isinstance(tree, dict):
+        return {k: _map_strided(v, fn, like.get(k) if like else None) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(
+            _map_strided(v, fn, like[i] if like else None) for i, v in enumerate(tree)
+        )
+    return fn(tree, like) if _strided(like if like is not None else tree) else tree
+
+
+def _replicated(t: DTensor) -> DTensor:
+    """`t` gathered whole on every rank, its rows gathered as they were split, one mesh
+    dimension at a time from the outermost: over a data-parallel dimension FSDP took chunks of
+    each tp rank's rows (in rank order: concatenated back), over tp each rank took its share of
+    every third of the fused QKV rows (`_StridedShard`'s split factor: the thirds rebuilt).
+    Not torch's redistribute: torch 2.11 refuses a strided source outright, and 2.13 gathers
+    the strided pair of +opt=[tp,fsdp] ((_StridedShard(0, sf=tp), _StridedShard(0, sf=3))
+    over (dp, tp)) in one go, or by `full_tensor()`, into rows in the wrong order (measured)."""
+    mesh, local = t.device_mesh, t.to_local()
+    for dim, placement in enumerate(t.placements):
+        if placement.is_replicate():
+            continue
+        parts = _gathered_rows(local, mesh.get_group(dim))
+        innermost = all(p.is_replicate() for p in t.placements[dim + 1 :])
+        if isinstance(placement, _StridedShard) and innermost:  # tp's share of each third
+            pieces = int(placement.split_factor)
+            local = torch.cat([p.chunk(pieces)[j] for j in range(pieces) for p in parts])
+        else:  # FSDP's chunks of the rows below it
+            local = torch.cat(parts)
+    return DTensor.from_local(
+        local, mesh, [Replicate()] * mesh.ndim, shape=t.shape, stride=t.stride(), run_check=False
+    )
+
+
+def _gathered_rows(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's `local` rows (their counts may differ: FSDP's last chunk), in rank order."""
+    world = torch.distributed.get_world_size(group)
+    count = torch.tensor([local.shape[0]], device=local.device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    torch.distributed.all_gather(counts, count, group=group)
+    sizes = [int(c) for c in counts]
+    padded = local.new_zeros((max(sizes), *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    torch.distributed.all_gather(parts, padded, group=group)
+    return [part[:size] for part, size in zip(parts, sizes, strict=True)]
+
+
+def _split_as(full: DTensor, own: DTensor) -> DTensor:
+    """`full` (replicated) laid out as `own`: this rank takes the rows that `_replicated` gathers
+    from it. torch's split into a strided pair is as wrong as its gather in one go, and the
+    rows' order is the pair's semantics: so each rank's row numbers are gathered, and read."""
+    mesh, rows = own.device_mesh, own.shape[0]
+    local_rows = own.to_local().shape[0]
+    first = mesh.get_rank() * rows  # unique row ids: rank * rows + the local row
+    ids = torch.arange(first, first + local_rows, device=own.device)
+    where = _replicated(
+        DTensor.from_local(
+            ids, mesh, own.placements, shape=torch.Size([rows]), stride=(1,), run_check=False
+        )
+    ).to_local()  # global row -> the id of the rank's row that holds it
+    mine = ((where >= first) & (where < first + local_rows)).nonzero().flatten()
+    order = torch.empty_like(mine)
+    order[where[mine] - first] = mine  # local row i is global row order[i]
+    local = full.to_local().index_select(0, order.to(full.device))
+    return DTensor.from_local(
+        local, mesh, own.placements, shape=own.shape, stride=own.stride(), run_check=False
+    )
+
+
+def _whole_strided(
+    model: torch.nn.Module, model_state: dict[str, Any], optim_state: dict[str, Any] | None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """A whole (one-process) checkpoint's tensors of the model's strided parameters: each
+    parameter's name -> {"param": its weight, and its optimizer state's tensors by key}."""
+    saved_state = optim_state["state"] if optim_state is not None else {}
+    return {
+        name: {"param": model_state[name], **saved_state.get(name, {})}
+        for name, param in model.named_parameters()
+        if _strided(param)
+    }
+
+
+def _split_strided(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    strided: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    """Puts the strided parameters of a whole checkpoint (`_whole_strided`), and their optimizer
+    state, in place again by `_split_as`: `set_state_dict` splits a whole tensor into a strided
+    pair (+opt=[tp,fsdp]) as wrongly as torch's one-go redistribute gathers it (`_replicated`)."""
+    params = dict(model.named_parameters())
+    for name, wholes in strided.items():
+        param = params[name]
+        owns = {"param": param, **optimizer.state.get(param, {})}
+        for key, whole in wholes.items():
+            own = owns.get(key)
+            if not isinstance(own, DTensor) or not _strided(own):  # the step count; none
+                continue
+            whole = DTensor.from_local(
+                whole.to(own.device, own.dtype), own.device_mesh,
+                [Replicate()] * own.device_mesh.ndim, run_check=False,
+            )  # fmt: skip
+            with torch.no_grad():
+                own.to_local().copy_(_split_as(whole, own).to_local())
+
+
 @dataclass
 class Knobs:
     degree: Annotated[int, count(1)]  # ranks per tensor-parallel group
@@ -233,14 +367,14 @@ class Knobs:
 
 def _plan(ctx: Context) -> None:
     """The degree, checked against the process count and the model before any work (the
-    trainer builds the mesh from it: `dist.with_mesh(tp=plan.tp_degree)`)."""
+    trainer builds the mesh from it: `Distributed.with_parallel`)."""
     degree = ctx.knobs.degree
     mesh_shape(ctx.dist.world_size, 1, degree)  # refuses a process count degree does not divide
     m = ctx.cfg.model  # a pretrained model's own shape is checked again by apply_tp
     shape = GPTConfig(n_head=m.n_head, n_embd=m.n_embd, vocab_size=m.vocab_size,
                       pad_vocab_to=m.pad_vocab_to)  # fmt: skip
     check_tp_model(degree, shape)
-    ctx.plan.tp_degree, ctx.plan.vocab_parallel_loss = degree, ctx.knobs.loss_parallel
+    ctx.plan.parallel.tp, ctx.plan.vocab_parallel_loss = degree, ctx.knobs.loss_parallel
     if ctx.knobs.loss_parallel:  # a function: each call a fresh context manager, which runs once
         ctx.plan.loss_context = loss_parallel
     ctx.plan.tp_sequence_parallel = ctx.knobs.sequence_parallel
@@ -254,6 +388,7 @@ STAGE = Stage(
         "opt_in_backward": "each parameter would step before its gradient is reduced over the "
         "tensor-parallel ranks",
     },
+    checkpoint_layout=StridedLayout(),
     processes=("several", "launch with `torchrun --nproc_per_node=N train.py ...` (N a "
                "multiple of opt.tp.degree)"),
 )  # fmt: skip

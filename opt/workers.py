@@ -12,7 +12,6 @@ from omegaconf import DictConfig
 from data import LoaderOptions
 from opt.stage import Context, Stage
 from recipe.distributed import log
-from recipe.errors import ConfigError
 from recipe.knobs import count
 
 
@@ -24,11 +23,9 @@ def available_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def apply_workers(options: LoaderOptions, cfg: DictConfig) -> LoaderOptions:
+def with_workers(options: LoaderOptions, cfg: DictConfig) -> LoaderOptions:
     """`num_workers` persistent workers, at most one per available CPU: more only take turns on
     the same cores (and the DataLoader warns about them each time it starts its workers)."""
-    if cfg.num_workers < 1:
-        raise ConfigError(f"opt.workers.num_workers must be >= 1, got {cfg.num_workers}")
     workers = min(cfg.num_workers, available_cpus())
     capped = (
         f" (opt.workers.num_workers={cfg.num_workers} capped to the {workers} CPUs this process "
@@ -47,7 +44,7 @@ class Knobs:
 
 
 def _apply(ctx: Context) -> None:
-    ctx.plan.loader = apply_workers(ctx.plan.loader, ctx.knobs)
+    ctx.plan.loader = with_workers(ctx.plan.loader, ctx.knobs)
 
 
 STAGE = Stage("workers", "input", _apply, Knobs)

@@ -46,9 +46,9 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -70,8 +70,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 
 from data import integrity
 from recipe.distributed import Distributed, launcher_died, log
@@ -94,7 +93,7 @@ def _is_sharded(model: torch.nn.Module) -> bool:
 
 def _pipelined(dist: Distributed) -> bool:
     """+opt=pp: each rank holds other parameters (its stages), under the full model's names."""
-    return dist.mesh is not None and dist.mesh["pp"].size() > 1
+    return dist.parallel.pp_enabled
 
 
 def _optimizer_options(flat: bool) -> StateDictOptions:
@@ -363,107 +362,45 @@ def _tied(model: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def _strided(value: Any) -> bool:
-    """A DTensor split in strides (+opt=tp's fused QKV: each rank a slice of q, of k and of v),
-    which DCP cannot describe: its shards are not one block each."""
-    return isinstance(value, DTensor) and any(
-        isinstance(p, _StridedShard) for p in value.placements
-    )
+class StateLayout(Protocol):
+    """How a stage's parameters are laid out in a checkpoint when DCP or `set_state_dict` cannot
+    take them as they are (a stage's `checkpoint_layout`: +opt=tp's strided QKV, opt/tp.py). The
+    trainer hands the selected stages' layouts to `Saver` and `restore`."""
 
+    def saved(self, tree: Any) -> Any:
+        """`tree` ({"model": ..., "optimizer": ...}) as DCP saves and loads it."""
 
-def _map_strided(tree: Any, fn: Callable[[DTensor, Any], Any], like: Any = None) -> Any:
-    """`tree` with `fn(tensor, its counterpart in like)` in place of each strided DTensor."""
-    if isinstance(tree, dict):
-        return {k: _map_strided(v, fn, like.get(k) if like else None) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(
-            _map_strided(v, fn, like[i] if like else None) for i, v in enumerate(tree)
-        )
-    return fn(tree, like) if _strided(like if like is not None else tree) else tree
+    def own(self, tree: Any, like: Any) -> Any:
+        """`tree`, loaded as `saved` laid it out, in the layout of `like`, the model's own."""
 
-
-def _dcp_layout(tree: Any) -> Any:
-    """`tree` with its strided DTensors replicated (gathered: saved once, in GPT-2's layout), so
-    that DCP saves and loads them; `_own_layout` splits them back."""
-    return _map_strided(tree, lambda t, _: _replicated(t))
-
-
-def _own_layout(tree: Any, like: Any) -> Any:
-    """`tree` (loaded through `_dcp_layout`) with the placements of `like`, the model's own."""
-    return _map_strided(tree, lambda t, own: _split_as(t, own), like)
-
-
-def _replicated(t: DTensor) -> DTensor:
-    """`t` gathered whole on every rank, its rows gathered as they were split, one mesh
-    dimension at a time from the outermost: over a data-parallel dimension FSDP took chunks of
-    each tp rank's rows (in rank order: concatenated back), over tp each rank took its share of
-    every third of the fused QKV rows (`_StridedShard`'s split factor: the thirds rebuilt).
-    Not torch's redistribute: torch 2.11 refuses a strided source outright, and 2.13 gathers
-    the strided pair of +opt=[tp,fsdp] ((_StridedShard(0, sf=tp), _StridedShard(0, sf=3))
-    over (dp, tp)) in one go, or by `full_tensor()`, into rows in the wrong order (measured)."""
-    mesh, local = t.device_mesh, t.to_local()
-    for dim, placement in enumerate(t.placements):
-        if placement.is_replicate():
-            continue
-        parts = _gathered_rows(local, mesh.get_group(dim))
-        innermost = all(p.is_replicate() for p in t.placements[dim + 1 :])
-        if isinstance(placement, _StridedShard) and innermost:  # tp's share of each third
-            pieces = int(placement.split_factor)
-            local = torch.cat([p.chunk(pieces)[j] for j in range(pieces) for p in parts])
-        else:  # FSDP's chunks of the rows below it
-            local = torch.cat(parts)
-    return DTensor.from_local(
-        local, mesh, [Replicate()] * mesh.ndim, shape=t.shape, stride=t.stride(), run_check=False
-    )
-
-
-def _gathered_rows(local: torch.Tensor, group: Any) -> list[torch.Tensor]:
-    """Every rank's `local` rows (their counts may differ: FSDP's last chunk), in rank order."""
-    world = torch.distributed.get_world_size(group)
-    count = torch.tensor([local.shape[0]], device=local.device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    torch.distributed.all_gather(counts, count, group=group)
-    sizes = [int(c) for c in counts]
-    padded = local.new_zeros((max(sizes), *local.shape[1:]))
-    padded[: local.shape[0]] = local
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    torch.distributed.all_gather(parts, padded, group=group)
-    return [part[:size] for part, size in zip(parts, sizes, strict=True)]
-
-
-def _split_as(full: DTensor, own: DTensor) -> DTensor:
-    """`full` (replicated) laid out as `own`: this rank takes the rows that `_replicated` gathers
-    from it. torch's split into a strided pair is as wrong as its gather in one go, and the
-    rows' order is the pair's semantics: so each rank's row numbers are gathered, and read."""
-    mesh, rows = own.device_mesh, own.shape[0]
-    local_rows = own.to_local().shape[0]
-    first = mesh.get_rank() * rows  # unique row ids: rank * rows + the local row
-    ids = torch.arange(first, first + local_rows, device=own.device)
-    where = _replicated(
-        DTensor.from_local(
-            ids, mesh, own.placements, shape=torch.Size([rows]), stride=(1,), run_check=False
-        )
-    ).to_local()  # global row -> the id of the rank's row that holds it
-    mine = ((where >= first) & (where < first + local_rows)).nonzero().flatten()
-    order = torch.empty_like(mine)
-    order[where[mine] - first] = mine  # local row i is global row order[i]
-    local = full.to_local().index_select(0, order.to(full.device))
-    return DTensor.from_local(
-        local, mesh, own.placements, shape=own.shape, stride=own.stride(), run_check=False
-    )
+    def restore_whole(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, Any],
+        optim_state: dict[str, Any] | None,
+    ) -> Callable[[], None]:
+        """Called before a whole (one-file) checkpoint's state is set into `model` and
+        `optimizer`: what puts the stage's parameters in place once it is."""
 
 
 def _load_sharded(
-    folder: Path, model: torch.nn.Module, states: dict[str, Any], **kwargs: Any
+    folder: Path,
+    model: torch.nn.Module,
+    states: dict[str, Any],
+    layouts: Sequence[StateLayout] = (),
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """Fills `states` ({"model": its state dict, ...}) from the DCP checkpoint in `folder`, the
-    tied parameters read once and tied again; returns `states`."""
+    tied parameters read once and tied again, the stages' `layouts` undone; returns `states`."""
     tied = {k: v for k, v in _tied(model).items() if k in states["model"]}
     states["model"] = {k: v for k, v in states["model"].items() if k not in tied}
     own = states
-    states = _dcp_layout(own)
+    for layout in layouts:
+        states = layout.saved(states)
     _dcp_load(states, folder, **kwargs)
-    states = _own_layout(states, own)
+    for layout in reversed(layouts):
+        states = layout.own(states, own)
     for name, saved_as in tied.items():
         states["model"][name] = states["model"][saved_as]
     return states
@@ -477,13 +414,14 @@ def save(
     scaler: torch.amp.GradScaler,
     step: int,
     run_state: dict[str, Any],
+    layouts: Sequence[StateLayout] = (),
 ) -> Path:
     """Writes the run's checkpoint (sharded under FSDP, else one file), with `run_state`
     (`RunState.saved`: samples consumed, config, model_config, stages, ...), and returns once
     it is on disk. A collective: every rank must call it. Weights that are not finite are never
     saved: the last good checkpoint stays. (A run keeps several, or saves in the background:
     `Saver`.)"""
-    saver = Saver(run_dir, dist)
+    saver = Saver(run_dir, dist, layouts=layouts)
     path = saver.save(model, optimizer, scaler, step, run_state)
     saver.close()
     return path
@@ -508,8 +446,10 @@ class Saver:
         every: int = 0,
         max_steps: int | None = None,
         measured: dict[str, Any] | None = None,
+        layouts: Sequence[StateLayout] = (),
     ) -> None:
         self.run_dir, self.dist = run_dir, dist
+        self.layouts = layouts  # the selected stages' checkpoint layouts
         self.keep, self.keep_best, self.async_save = keep, keep_best, async_save
         self.measured = measured or {}  # what the val losses are over: keep_best compares alike
         self.every, self.max_steps = every, max_steps  # train.checkpoint_interval (0: none)
@@ -521,14 +461,22 @@ class Saver:
         self._buffers: dict[int, list[torch.UntypedStorage]] = {}
 
     @classmethod
-    def for_run(cls, run_dir: Path, dist: Distributed, train: DictConfig) -> Saver:
+    def for_run(
+        cls,
+        run_dir: Path,
+        dist: Distributed,
+        train: DictConfig,
+        layouts: Sequence[StateLayout] = (),
+    ) -> Saver:
         """The saver that `train` (the config's train.*) asks for: its checkpoint_interval,
         keep_checkpoints, keep_best and async_save; its last step (max_steps) saves too. Its val
-        losses are over the first train.eval_sequences validation sequences."""
+        losses are over the first train.eval_sequences validation sequences. `layouts`: the
+        selected stages' checkpoint layouts."""
         return cls(
             run_dir, dist, keep=train.keep_checkpoints, keep_best=train.keep_best,
             async_save=train.async_save, every=train.checkpoint_interval,
             max_steps=train.max_steps, measured={"eval_sequences": train.eval_sequences},
+            layouts=layouts,
         )  # fmt: skip
 
     def save(
@@ -563,7 +511,9 @@ class Saver:
             if self.async_save and self._group is None:
                 self._group = _background_group() or True
             background = self._group if self.async_save else False
-            path, write = _save_sharded(run_dir, dist, model, optimizer, step, meta, background)
+            path, write = _save_sharded(
+                run_dir, dist, model, optimizer, step, meta, self.layouts, background
+            )
         else:
             path, write = self._save_file(model, optimizer, meta)
         dist.barrier()  # every rank has its state in hand (sync: on disk)
@@ -736,6 +686,7 @@ def _save_sharded(
     optimizer: torch.optim.Optimizer,
     step: int,
     meta: dict[str, Any],
+    layouts: Sequence[StateLayout],
     background: Any = False,
 ) -> tuple[Path, Callable[[], None]]:
     """Every rank writes its shards into `checkpoint.dcp/step-<N>/`; once all have, rank 0 adds
@@ -754,7 +705,9 @@ def _save_sharded(
     meta = {**meta, "flat_optimizer": flat}  # how restore asks for it back
     tied = _tied(model)  # saved once, under the name they are tied to
     model_state = {k: v for k, v in model_state.items() if k not in tied}
-    states = _dcp_layout({"model": model_state, "optimizer": optim_state})
+    states: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    for layout in layouts:
+        states = layout.saved(states)
     if background:
         group = None if background is True else background
         written = dcp.async_save(states, checkpoint_id=target, process_group=group)
@@ -1054,6 +1007,7 @@ def restore(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     rank: int = 0,
+    layouts: Sequence[StateLayout] = (),
 ) -> int:
     """Puts a checkpoint's state back, sharded as the model now is (a sharded checkpoint is
     resharded by DCP: another process count, or one process); returns its step. The stages may
@@ -1068,14 +1022,19 @@ def restore(
         loaded: dict[str, Any] = {"model": get_model_state_dict(model)}
         if same_optimizer:
             loaded["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
-        loaded = _load_sharded(state["sharded"], model, loaded)
+        loaded = _load_sharded(state["sharded"], model, loaded, layouts)
         _set_state(model, optimizer, loaded["model"], loaded.get("optimizer"), options=options)
     else:
         optim_state = state["optimizer"] if same_optimizer else None
         full = StateDictOptions(full_state_dict=True)
-        strided = _whole_strided(model, state["model"], optim_state)  # before set_state_dict
-        _set_state(model, optimizer, state["model"], optim_state, options=full)  # changes them
-        _split_strided(model, optimizer, strided)
+        # Each layout reads what it needs before set_state_dict changes the state dicts.
+        finish = [
+            layout.restore_whole(model, optimizer, state["model"], optim_state)
+            for layout in layouts
+        ]
+        _set_state(model, optimizer, state["model"], optim_state, options=full)
+        for done in finish:
+            done()
     if state["scaler"] and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
     rng = state["rng"][rank % len(state["rng"])]
@@ -1083,43 +1042,6 @@ def restore(
     if rng["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return state["step"]
-
-
-def _whole_strided(
-    model: torch.nn.Module, model_state: dict[str, Any], optim_state: dict[str, Any] | None
-) -> dict[str, dict[str, torch.Tensor]]:
-    """A whole (one-process) checkpoint's tensors of the model's strided parameters: each
-    parameter's name -> {"param": its weight, and its optimizer state's tensors by key}."""
-    saved_state = optim_state["state"] if optim_state is not None else {}
-    return {
-        name: {"param": model_state[name], **saved_state.get(name, {})}
-        for name, param in model.named_parameters()
-        if _strided(param)
-    }
-
-
-def _split_strided(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    strided: dict[str, dict[str, torch.Tensor]],
-) -> None:
-    """Puts the strided parameters of a whole checkpoint (`_whole_strided`), and their optimizer
-    state, in place again by `_split_as`: `set_state_dict` splits a whole tensor into a strided
-    pair (+opt=[tp,fsdp]) as wrongly as torch's one-go redistribute gathers it (`_replicated`)."""
-    params = dict(model.named_parameters())
-    for name, wholes in strided.items():
-        param = params[name]
-        owns = {"param": param, **optimizer.state.get(param, {})}
-        for key, whole in wholes.items():
-            own = owns.get(key)
-            if not isinstance(own, DTensor) or not _strided(own):  # the step count; none
-                continue
-            whole = DTensor.from_local(
-                whole.to(own.device, own.dtype), own.device_mesh,
-                [Replicate()] * own.device_mesh.ndim, run_check=False,
-            )  # fmt: skip
-            with torch.no_grad():
-                own.to_local().copy_(_split_as(whole, own).to_local())
 
 
 def _same_optimizer(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> bool:

@@ -60,19 +60,62 @@ MESH_DIMS = ("pp", "dp", "tp")
 HSDP_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-@dataclass(frozen=True)
-class Distributed:
-    rank: int
-    local_rank: int
+@dataclass
+class ParallelDims:
+    """How a run's processes share the work, in one place: `pp` pipeline stages x the
+    data-parallel rest x `tp` tensor shards, the data-parallel rest as `dp_replicate` HSDP
+    replicas x `dp_shard` FSDP shards, and whether FSDP wraps the model. The stages that split
+    or shard the model set their degrees while planning (opt.plan); the trainer then builds the
+    device mesh once (`Distributed.with_parallel`), and everything that depends on the layout
+    asks this object, not which stages were selected."""
+
     world_size: int
-    device: torch.device
-    # The processes as a pp x dp x tp DeviceMesh when a stage splits the model (+opt=pp, +opt=tp;
-    # `with_mesh`) or FSDP replicates it (HSDP: pp x dp_replicate x dp_shard x tp), else None:
-    # then every process is a data-parallel rank.
+    pp: int = 1  # +opt=pp: pipeline stages (opt.pp.degree)
+    tp: int = 1  # +opt=tp: ranks per tensor-parallel group (opt.tp.degree)
+    dp_replicate: int = 1  # +opt=fsdp's replicas: HSDP (opt.fsdp.replicas)
+    # FSDP's `fully_shard` wraps the model: +opt=fsdp, or +opt=offload on a GPU (their plans).
+    fully_sharded: bool = False
+    # The processes as a pp x dp x tp DeviceMesh (HSDP: pp x dp_replicate x dp_shard x tp) once
+    # built, when a stage splits the model or HSDP replicates it; else None: then every process
+    # is a data-parallel rank.
     mesh: DeviceMesh | None = None
     # HSDP's two data-parallel dimensions as one (DeviceMesh._flatten makes its process group
     # once: kept here, as torch asks, rather than sliced from `mesh` again).
     flat_dp: DeviceMesh | None = None
+
+    @property
+    def dp_size(self) -> int:
+        """How many different slices each global batch is split into: the processes that the
+        pipeline and tensor-parallel groups leave."""
+        return self.world_size // (self.pp * self.tp)
+
+    @property
+    def dp_shard(self) -> int:
+        """The processes each HSDP replica shards the model over (all of dp without HSDP)."""
+        return self.dp_size // self.dp_replicate
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP wraps the model of a multi-process run (+opt=fsdp): each micro-step's gradients
+        are reduce-scattered (+opt=offload's FSDP runs in one process, with nothing to reduce)."""
+        return self.fully_sharded and self.world_size > 1
+
+    @property
+    def meshed(self) -> bool:
+        """Whether the layout needs a device mesh: a model split over processes, or HSDP."""
+        return self.pp_enabled or self.tp_enabled or self.hsdp_enabled
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
@@ -90,28 +133,51 @@ class Distributed:
             return self.mesh["dp_replicate", "dp_shard"]
         return self.dp_mesh
 
+    def build_mesh(self, device: torch.device) -> None:
+        """The pp x dp x tp DeviceMesh over the default process group (torchrun's ranks,
+        row-major: tp innermost); under HSDP pp x dp_replicate x dp_shard x tp, its two
+        data-parallel dimensions also flattened into one. A collective: every rank builds it."""
+        pp, dp, tp = mesh_shape(self.world_size, self.pp, self.tp)
+        if self.hsdp_enabled:
+            shape = (pp, self.dp_replicate, hsdp_shards(dp, self.dp_replicate), tp)
+            self.mesh = init_device_mesh(device.type, shape, mesh_dim_names=HSDP_DIMS)
+            self.flat_dp = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        else:
+            self.mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+
+
+@dataclass(frozen=True)
+class Distributed:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    # How the processes share the work (`with_parallel`); None given: every process a
+    # data-parallel rank of the whole model.
+    parallel: ParallelDims = None  # type: ignore[assignment]  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        if self.parallel is None:
+            object.__setattr__(self, "parallel", ParallelDims(self.world_size))
+
     @property
     def dp_rank(self) -> int:
         """This process's data-parallel coordinate: which slice of each global batch it reads.
         The ranks of one pipeline or tensor-parallel group read the same batch."""
-        dp = self.dp_mesh
+        dp = self.parallel.dp_mesh
         return dp.get_local_rank() if dp is not None else self.rank
 
     @property
     def dp_size(self) -> int:
-        """How many different slices each global batch is split into."""
-        dp = self.dp_mesh
-        return dp.size() if dp is not None else self.world_size
+        """How many different slices each global batch is split into (`ParallelDims.dp_size`)."""
+        return self.parallel.dp_size
 
-    def with_mesh(self, pp: int = 1, tp: int = 1, replicas: int = 1) -> Distributed:
-        """This world arranged as `pp` pipeline stages x the data-parallel rest x `tp` tensor
-        shards, the data-parallel rest as `replicas` x shards under HSDP; unchanged when all
-        are 1."""
-        if pp == tp == replicas == 1:
-            return self
-        mesh = build_mesh(self.device, self.world_size, pp, tp, replicas)
-        flat = mesh["dp_replicate", "dp_shard"]._flatten("dp") if replicas > 1 else None
-        return replace(self, mesh=mesh, flat_dp=flat)
+    def with_parallel(self, parallel: ParallelDims) -> Distributed:
+        """These processes laid out as `parallel` (the plan's), its device mesh built when the
+        layout needs one."""
+        if parallel.meshed and parallel.mesh is None:
+            parallel.build_mesh(self.device)
+        return replace(self, parallel=parallel)
 
     @property
     def is_main(self) -> bool:
@@ -193,18 +259,6 @@ def mesh_shape(world_size: int, pp: int, tp: int) -> tuple[int, int, int]:
             "opt.pp.degree / opt.tp.degree"
         )
     return pp, world_size // (pp * tp), tp
-
-
-def build_mesh(
-    device: torch.device, world_size: int, pp: int, tp: int, replicas: int = 1
-) -> DeviceMesh:
-    """The pp x dp x tp DeviceMesh over the default process group (torchrun's ranks, row-major:
-    tp innermost); with `replicas` > 1, pp x dp_replicate x dp_shard x tp (HSDP)."""
-    pp, dp, tp = mesh_shape(world_size, pp, tp)
-    if replicas == 1:
-        return init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
-    shape = (pp, replicas, hsdp_shards(dp, replicas), tp)
-    return init_device_mesh(device.type, shape, mesh_dim_names=HSDP_DIMS)
 
 
 def hsdp_shards(dp_size: int, replicas: int) -> int:

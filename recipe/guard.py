@@ -9,15 +9,12 @@ steps whose gradients overflowed. The for-loop and foreach implementations canno
 the guard reads the flag on the host once a step (one sync; use +opt=fused to avoid it).
 Across ranks the flag is reduced, so every rank skips the same steps.
 
-An optimizer whose step cannot wait for the verdict (+opt=opt_in_backward's, whose parameters
-stepped in backward: opt/opt_in_backward.py) marks itself `reads_found_inf`, as fused AdamW does
-implicitly: the guard then hands it the flag and never syncs for it.
+A step the optimizer took before the verdict (+opt=opt_in_backward's, each block in backward,
+skipping itself when its own gradients are not finite: opt/opt_in_backward.py) is only counted
+(`stepped`): there is nothing left to skip, and nothing to sync for.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -47,13 +44,7 @@ class NonFiniteGuard:
     ) -> None:
         """The optimizer step, unless `loss` (this rank's) or `grad_norm` (global) is not finite.
         Call it after `scaler.unscale_` and clipping, in place of `scaler.step(optimizer)`."""
-        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-        if self.dist.enabled and bad.is_cuda:  # a NaN loss on one rank skips the step on all
-            bad = bad.to(torch.int32)
-            torch_dist.all_reduce(bad, op=torch_dist.ReduceOp.MAX)
-            bad = bad.bool()
-        elif self.dist.enabled:
-            bad = torch.tensor(self.dist.any(bool(bad)))
+        bad = self._verdict(loss, grad_norm)
         if scaler.is_enabled():
             # The scaler skips on overflowing gradients by itself; a non-finite loss with finite
             # gradients (an infinite target logit) must skip too: fold the flag into the scaler's
@@ -66,6 +57,22 @@ class NonFiniteGuard:
         else:
             step_unless(optimizer, bad)
         self._count(bad)
+
+    def stepped(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Counts a step that the optimizer took already, in backward, unless `loss` or
+        `grad_norm` is not finite (+opt=opt_in_backward: each block skipped its own update)."""
+        self._count(self._verdict(loss, grad_norm))
+
+    def _verdict(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Whether the step is bad on any rank: a device flag."""
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        if self.dist.enabled and bad.is_cuda:  # a NaN loss on one rank skips the step on all
+            bad = bad.to(torch.int32)
+            torch_dist.all_reduce(bad, op=torch_dist.ReduceOp.MAX)
+            bad = bad.bool()
+        elif self.dist.enabled:
+            bad = torch.tensor(self.dist.any(bool(bad)))
+        return bad
 
     def _count(self, bad: torch.Tensor) -> None:
         self.skipped += bad
@@ -92,23 +99,18 @@ class NonFiniteGuard:
         return {"train/skipped_steps": skipped}
 
 
-def step_unless(
-    optimizer: torch.optim.Optimizer, bad: torch.Tensor, step: Callable[[], Any] | None = None
-) -> None:
-    """`optimizer.step()` unless the device flag `bad` is set; `step`: another update of this
-    optimizer's (+opt=opt_in_backward's hooks: the real one, restricted to one parameter)."""
-    # The optimizer's own step reads the flag (fused AdamW, +opt=lowbit's), or ignores it
-    # (`reads_found_inf`: the step in backward's, which has nothing left to do): no sync either way.
-    own_reads_flag = step is None and getattr(optimizer, "reads_found_inf", False)
-    step = step or optimizer.step
+def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+    """`optimizer.step()` unless the device flag `bad` is set (+opt=opt_in_backward's hooks call
+    it with the optimizer restricted to one block)."""
+    # The optimizer's own step reads the flag (fused AdamW, +opt=lowbit's): no sync.
     skips_on_flag = optimizer.defaults.get("fused") or getattr(optimizer, "skips_on_found_inf", 0)
-    if skips_on_flag or own_reads_flag:
+    if skips_on_flag:
         # Fused AdamW skips on this flag, on the device. Parameters offloaded to the host (FSDP's
         # CPU offload) need it in host memory first: fused AdamW would copy it asynchronously,
         # and a CPU kernel could read it before the copy lands; this copy waits.
         params_device = optimizer.param_groups[0]["params"][0].device
         optimizer.found_inf = bad.to(params_device).float()  # type: ignore[attr-defined]
-        step()
+        optimizer.step()
         del optimizer.found_inf  # type: ignore[attr-defined]
     elif not bad.item():  # the for-loop/foreach kernels have no such flag: one sync
-        step()
+        optimizer.step()

@@ -9,6 +9,7 @@ new config, and puts the weights, optimizer, scaler and every rank's RNG states 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from omegaconf import DictConfig
 
 import data
 from recipe import checkpoint, config
+from recipe.checkpoint import StateLayout
 
 
 @dataclass
@@ -77,11 +79,12 @@ class RunState:
         optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler,
         rank: int,
+        layouts: Sequence[StateLayout] = (),
     ) -> None:
         """Puts the checkpoint's weights, optimizer, scaler and this rank's RNG states back
-        (nothing on a new run), then lets its host copy go."""
+        (nothing on a new run), then lets its host copy go. `layouts`: the selected stages'."""
         if self.checkpoint is not None:
-            checkpoint.restore(self.checkpoint, model, optimizer, scaler, rank=rank)
+            checkpoint.restore(self.checkpoint, model, optimizer, scaler, rank, layouts)
             self.checkpoint = None
 
     def begin(

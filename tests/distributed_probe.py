@@ -52,9 +52,9 @@ def _losses(*stages: str, steps: int = 3, **knobs: dict) -> list[float]:
     generator = torch.Generator().manual_seed(dist.rank)  # on the CPU: the same batches on a GPU
     batches = torch.randint(0, 64, (steps, 4, 9), generator=generator).to(dist.device)
     guard, losses = NonFiniteGuard(dist.device, dist, max_bad_steps=3), []
+    step = opt.build_step(cfg.opt, plan, guard, model, train_model, optimizer, scaler)
     for batch in batches:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        loss, _ = train_step(train_model, optimizer, scaler, inputs, targets, plan, 1.0, guard)
+        loss, _ = train_step(step, batch[:, :-1], batch[:, 1:], 1.0)
         losses.append(loss.item())
     return losses
 

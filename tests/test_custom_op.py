@@ -141,12 +141,13 @@ def test_accumulation_gives_the_full_batch_loss_and_gradients() -> None:
     for overrides in ([], ["+opt=[custom_op,accum]", "opt.accum.steps=4"]):
         plan = opt.plan(tiny_cfg("train.batch_size=8", *overrides), SINGLE)
         model = toy_gpt()
-        opt.apply_model_stages(model, make_cfg(*overrides).opt, plan, SINGLE)
+        opt_cfg = make_cfg(*overrides).opt
+        opt.apply_model_stages(model, opt_cfg, plan, SINGLE)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # gradients only
         scaler = plan.grad_scaler(CPU)
         guard = NonFiniteGuard(CPU, SINGLE, max_bad_steps=10)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        losses, norm = train_step(model, optimizer, scaler, inputs, targets, plan, 1e9, guard)
+        step = opt.build_step(opt_cfg, plan, guard, model, model, optimizer, scaler)
+        losses, norm = train_step(step, batch[:, :-1], batch[:, 1:], 1e9)
         results.append((losses / plan.micro_steps, norm))
     (full_loss, full_norm), (accum_loss, accum_norm) = results
     torch.testing.assert_close(accum_loss, full_loss, rtol=1e-6, atol=0)

@@ -535,13 +535,15 @@ def test_fsdp_cpu_offload_clips_gradients_on_the_gpu(gpu_group) -> None:
     """Offloaded gradients are CPU DTensors: their norm all-reduces through the default group's
     gloo backend (without it: "No backend type associated with device type cpu")."""
     cfg = make_cfg("+opt=fsdp", "opt.fsdp.cpu_offload=true", "train.batch_size=2")
-    plan = opt.Plan(stages=["fsdp"], batch_size=2)
-    model = opt.fsdp.apply_fsdp(_toy().cuda(), cfg.opt.fsdp, gpu_group, None)
+    plan = opt.plan(cfg, gpu_group)
+    toy = _toy().cuda()
+    model = opt.fsdp.apply_fsdp(toy, cfg.opt.fsdp, gpu_group, None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 64, (2, 9), device="cuda")
     scaler = plan.grad_scaler(gpu_group.device)
     guard = NonFiniteGuard(gpu_group.device, gpu_group, max_bad_steps=10)
-    _, norm = train_step(model, optimizer, scaler, x[:, :-1], x[:, 1:], plan, 1.0, guard)
+    step = opt.build_step(cfg.opt, plan, guard, toy, model, optimizer, scaler)
+    _, norm = train_step(step, x[:, :-1], x[:, 1:], 1.0)
     assert torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 

@@ -203,19 +203,21 @@ def _resume(run_dir: Path, *overrides: str) -> None:
 
 
 def test_the_scales_are_computed_after_the_step(monkeypatch) -> None:
-    """The trainer calls plan.after_step after each step: +opt=float8's hook, with the model."""
+    """The step calls the stages' after-step hooks after each update: +opt=float8's, with the
+    model."""
     seen: list[nn.Module] = []
     monkeypatch.setattr(float8, "precompute_scales", seen.append)
-    plan = opt.plan(make_cfg("+opt=[amp,float8]", "train.grad_clip=inf"), SINGLE)
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=4, vocab_size=16))
     optimizer = torch.optim.AdamW(model.parameters())
-    opt.apply_optimizer_stages(optimizer, plan, NonFiniteGuard(CPU, SINGLE, 3), model)
-    plan.after_step()
-    assert seen == [model]
-    bare = opt.plan(make_cfg("+opt=amp"), SINGLE)
-    opt.apply_optimizer_stages(optimizer, bare, NonFiniteGuard(CPU, SINGLE, 3), model)
-    bare.after_step()  # nothing selected has a hook: does nothing
-    assert seen == [model]
+    finite = torch.zeros(()), torch.zeros(())  # the step's loss and gradient norm
+    for overrides, calls in ((["+opt=[amp,float8]"], 1), (["+opt=amp"], 0)):
+        cfg = make_cfg(*overrides, "train.grad_clip=inf")
+        plan, scaler = opt.plan(cfg, SINGLE), torch.amp.GradScaler("cpu", enabled=False)
+        guard = NonFiniteGuard(CPU, SINGLE, 3)
+        step = opt.build_step(cfg.opt, plan, guard, model, model, optimizer, scaler)
+        seen.clear()
+        step.optimizer_step(*finite)
+        assert seen == [model] * calls
 
 
 @pytest.fixture

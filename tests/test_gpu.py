@@ -49,7 +49,8 @@ def test_non_blocking_pins_batches_and_copies_on_a_side_stream(gpu) -> None:
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_amp_on_the_gpu(gpu, dtype: str) -> None:
-    plan = opt.plan(tiny_cfg("+opt=amp", f"opt.amp.dtype={dtype}"), gpu)
+    cfg = tiny_cfg("+opt=amp", f"opt.amp.dtype={dtype}")
+    plan = opt.plan(cfg, gpu)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)).cuda()
     seen = set()
@@ -58,7 +59,8 @@ def test_amp_on_the_gpu(gpu, dtype: str) -> None:
     scaler = plan.grad_scaler(gpu.device)
     batch = torch.randint(0, 50257, (4, 33), device="cuda")
     guard = NonFiniteGuard(gpu.device, gpu, max_bad_steps=10)
-    _, norm = train_step(model, optimizer, scaler, batch[:, :-1], batch[:, 1:], plan, 1.0, guard)
+    step = opt.build_step(cfg.opt, plan, guard, model, model, optimizer, scaler)
+    _, norm = train_step(step, batch[:, :-1], batch[:, 1:], 1.0)
     assert seen == {getattr(torch, dtype)} and torch.isfinite(norm)
     assert scaler.is_enabled() == (dtype == "float16")
     if dtype == "float16":

@@ -128,7 +128,7 @@ def test_the_step_in_backward_never_waits_for_the_gpu(impl: str) -> None:
     from omegaconf import OmegaConf
 
     from model.gpt import GPT, GPTConfig
-    from opt.lowbit import apply_lowbit
+    from opt.lowbit import optimizer_class
     from opt.opt_in_backward import apply_opt_in_backward
     from recipe.distributed import Distributed
     from recipe.guard import NonFiniteGuard
@@ -136,7 +136,7 @@ def test_the_step_in_backward_never_waits_for_the_gpu(impl: str) -> None:
     device = torch.device("cuda")
     shape = GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=64, vocab_size=512)
     model = GPT(shape).to(device)
-    adamw: Any = apply_lowbit(OmegaConf.create({"bits": 8, "impl": impl}))  # torchao's: untyped
+    adamw: Any = optimizer_class(OmegaConf.create({"bits": 8, "impl": impl}))  # torchao's: untyped
     optimizer = adamw(model.parameters(), lr=1e-3)
     one_gpu = Distributed(rank=0, local_rank=0, world_size=1, device=device)
     apply_opt_in_backward(optimizer, NonFiniteGuard(device, one_gpu, 3), model, max_norm=1.0)

@@ -45,9 +45,10 @@ def test_an_hsdp_checkpoint_resumes_in_one_process(runs) -> None:
 
 
 def test_the_replicas_divide_what_the_model_splitting_stages_leave() -> None:
-    assert planned(4, "+opt=fsdp", "opt.fsdp.replicas=2").dp_replicas == 2
-    assert planned(8, "+opt=[tp,fsdp]", "opt.fsdp.replicas=4").dp_replicas == 4  # 4 x 1 x 2
-    assert planned(4, "+opt=fsdp").dp_replicas == 1  # FSDP over all of them
+    assert planned(4, "+opt=fsdp", "opt.fsdp.replicas=2").parallel.dp_replicate == 2
+    hsdp_tp = planned(8, "+opt=[tp,fsdp]", "opt.fsdp.replicas=4")
+    assert hsdp_tp.parallel.dp_replicate == 4  # 4 x 1 x 2
+    assert planned(4, "+opt=fsdp").parallel.dp_replicate == 1  # FSDP over all of them
     with pytest.raises(ValueError, match="^opt.fsdp.replicas=3 does not divide the 4") as refused:
         planned(4, "+opt=fsdp", "opt.fsdp.replicas=3")
     assert "\n" not in str(refused.value)

@@ -18,6 +18,7 @@ from conftest import CONF, logged, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from opt.opt_in_backward import _NormEstimate
+from opt.step import LoopStep
 from recipe import distributed
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
@@ -50,22 +51,22 @@ def _knobs(stage: str, **overrides):
 
 
 def _trainer(*overrides: str, model: GPT | None = None):
-    """A toy model with the optimizer, scaler and guard that train() would build for
-    `overrides`, and a function running one train_step at a given learning rate."""
+    """A toy model with the optimizer (the one the step steps: +opt=opt_in_backward's wrapper),
+    scaler and guard that train() would build for `overrides`, and a function running one
+    train_step at a given learning rate."""
     cfg = tiny_cfg(*overrides)
     plan = opt.plan(cfg, SINGLE)
     model = model or _toy()
     optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs, plan.optimizer_class)
     scaler, guard = plan.grad_scaler(CPU), NonFiniteGuard(CPU, SINGLE, max_bad_steps=10)
-    opt.apply_optimizer_stages(optimizer, plan, guard, model)
+    stepper = opt.build_step(cfg.opt, plan, guard, model, model, optimizer, scaler)
+    assert isinstance(stepper, LoopStep)  # the plain loop's, or a stage's subclass of it
 
     def step(batch: torch.Tensor, lr: float):
         set_learning_rate(optimizer, lr)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        grad_clip = cfg.train.grad_clip
-        return train_step(model, optimizer, scaler, inputs, targets, plan, grad_clip, guard)
+        return train_step(stepper, batch[:, :-1], batch[:, 1:], cfg.train.grad_clip)
 
-    return model, optimizer, guard, step
+    return model, stepper.optimizer, guard, step
 
 
 # ---- +opt=opt_in_backward
@@ -163,15 +164,15 @@ def test_step_in_backward_clips_by_the_steps_estimated_norm() -> None:
     model, optimizer, _, step = _trainer(
         "+opt=[fused,opt_in_backward]", f"train.grad_clip={max_norm}"
     )
-    estimate = optimizer.blocks_in_backward.clip
-    block_of = optimizer.blocks_in_backward.block_of
+    estimate = optimizer.blocks.clip
+    block_of = optimizer.blocks.block_of
     seen: list[tuple[int, float]] = []  # (block, the squared norm its update sees), in order
 
     def record(opt_, args, kwargs) -> None:
         params = [p for g in opt_.param_groups for p in g["params"]]
         seen.append((block_of[params[0]], sum(float(p.grad.square().sum()) for p in params)))
 
-    optimizer.register_step_pre_hook(record)
+    optimizer.inner.register_step_pre_hook(record)  # the blocks' real updates
     batch = torch.randint(0, 64, (4, 9))
     sizes = estimate.sizes
     last = None
@@ -388,9 +389,10 @@ def test_offload_on_a_cpu_run_says_it_has_nothing_to_offload(capsys) -> None:
     model = _toy()
     assert opt.apply_model_stages(model, cfg.opt, plan, SINGLE) is model
     assert "offload: nothing to offload on a CPU run" in capsys.readouterr().out
-    assert not torch.distributed.is_initialized() and not plan.fully_sharded
+    assert not torch.distributed.is_initialized() and not plan.parallel.fully_sharded
     on_a_gpu = opt.plan(cfg, dataclasses.replace(SINGLE, device=torch.device("cuda", 0)))
-    assert on_a_gpu.fully_sharded  # on a GPU: FSDP's hooks (compile in pieces, a sharded scaler)
+    # On a GPU: FSDP's hooks (compile in pieces, a sharded scaler).
+    assert on_a_gpu.parallel.fully_sharded
 
 
 def test_offload_refuses_other_ways_to_spread_or_shrink() -> None:

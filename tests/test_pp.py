@@ -200,6 +200,6 @@ def test_the_bubble_in_theory() -> None:
 
 def test_planning_a_pipeline() -> None:
     plan = opt.plan(make_cfg("+opt=pp"), MULTI)
-    assert plan.stages == ["pp"] and plan.pp_degree == 2
+    assert plan.stages == ["pp"] and plan.parallel.pp == 2
     assert plan.micro_steps == 1  # the schedule runs the micro-batches
     assert opt.ORDER.index("compile") < opt.ORDER.index("pp") < opt.ORDER.index("fsdp")

@@ -78,10 +78,10 @@ def test_a_pp_by_fsdp_checkpoint_resumes_in_one_process(runs) -> None:
 
 def test_several_pipelines_are_planned_with_fsdp_or_replicas() -> None:
     assert planned(4, "+opt=[pp,fsdp]").stages == ["pp", "fsdp"]
-    assert planned(4, "+opt=[pp,ddp]").pp_degree == 2
-    assert planned(8, "+opt=pp", "opt.pp.degree=4").pp_degree == 4
+    assert planned(4, "+opt=[pp,ddp]").parallel.pp == 2
+    assert planned(8, "+opt=pp", "opt.pp.degree=4").parallel.pp == 4
     pp_tp = planned(8, "+opt=[pp,tp,fsdp]")  # a 2 x 2 x 2 pp x dp x tp mesh
-    assert (pp_tp.pp_degree, pp_tp.tp_degree, pp_tp.tp_sequence_parallel) == (2, 2, True)
+    assert (pp_tp.parallel.pp, pp_tp.parallel.tp, pp_tp.tp_sequence_parallel) == (2, 2, True)
 
 
 @pytest.mark.parametrize(

@@ -78,10 +78,11 @@ def test_a_skipped_step_leaves_weights_and_optimizer_state_alone(monkeypatch, im
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64))
     optimizer = build_optimizer(model, cfg.train, plan.optimizer_kwargs)
     scaler, guard = plan.grad_scaler(CPU), NonFiniteGuard(CPU, SINGLE, max_bad_steps=3)
+    stepper = opt.build_step(cfg.opt, plan, guard, model, model, optimizer, scaler)
     batch = torch.randint(0, 64, (4, 9))
 
     def step() -> None:
-        train_step(model, optimizer, scaler, batch[:, :-1], batch[:, 1:], plan, 1.0, guard)
+        train_step(stepper, batch[:, :-1], batch[:, 1:], 1.0)
 
     step()  # a good step: the optimizer has state now
     weights = [p.detach().clone() for p in model.parameters()]

@@ -12,8 +12,9 @@ import torch
 from omegaconf import OmegaConf
 
 import opt
-from conftest import make_cfg
+from conftest import make_cfg, planned
 from model import GPT, GPTConfig
+from opt.opt_in_backward import InBackwardStep, StepInBackward
 from opt.stage import PHASES
 from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
@@ -63,21 +64,30 @@ def test_the_stages_are_applied_in_the_order_of_stages(monkeypatch, listed) -> N
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16))
     assert opt.apply_model_stages(model, cfg.opt, plan, SINGLE) is model
     optimizer = torch.optim.AdamW(model.parameters())
-    opt.apply_optimizer_stages(optimizer, plan, NonFiniteGuard(SINGLE.device, SINGLE, 3), model)
+    guard, scaler = NonFiniteGuard(SINGLE.device, SINGLE, 3), plan.grad_scaler(SINGLE.device)
+    opt.build_step(cfg.opt, plan, guard, model, model, optimizer, scaler)
     with_defaults = {s.name for s in opt.STAGES if s.unselected}  # tf32's reset, DDP's default
     assert calls == [s for s in opt.ORDER if s in listed or s in with_defaults]
 
 
 def test_the_step_in_backward_owns_its_step() -> None:
-    """Under +opt=opt_in_backward the optimizer's own step does nothing (the hooks stepped),
-    the trainer's step is the same code as without it, and the gradient norm it logs is the
-    one measured in backward."""
+    """Under +opt=opt_in_backward the step steps a wrapper whose own step does nothing (the
+    hooks stepped), sharing the optimizer's groups and state, and the gradient norm it logs is
+    the one measured in backward."""
     cfg = make_cfg("+opt=opt_in_backward", "train.grad_clip=inf")
     plan = opt.plan(cfg, SINGLE)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    opt.apply_optimizer_stages(optimizer, plan, NonFiniteGuard(SINGLE.device, SINGLE, 3), model)
+    guard, scaler = NonFiniteGuard(SINGLE.device, SINGLE, 3), plan.grad_scaler(SINGLE.device)
+    step = opt.build_step(cfg.opt, plan, guard, model, model, optimizer, scaler)
+    assert isinstance(step, InBackwardStep)
+    stepped = step.optimizer
+    assert isinstance(stepped, StepInBackward)
+    assert stepped.state is optimizer.state
+    assert all(a is b for a, b in zip(stepped.param_groups, optimizer.param_groups, strict=True))
+    optimizer.param_groups[0]["lr"] = 0.05  # the schedule sets the optimizer's: the same groups
+    assert stepped.param_groups[0]["lr"] == 0.05
     x = torch.randint(0, 16, (2, 4))
     grads = torch.autograd.grad(model(x, x)[1], list(model.parameters()))
     expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
@@ -86,8 +96,58 @@ def test_the_step_in_backward_owns_its_step() -> None:
     after = [p.detach().clone() for p in model.parameters()]
     assert all(p.grad is None for p in model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    optimizer.step()  # the trainer's step: nothing left to do
+    stepped.step()  # the trainer's step: nothing left to do
     assert all(torch.equal(a, p) for a, p in zip(after, model.parameters(), strict=True))
-    norm = opt.clip_grad_norm_(model, optimizer, float("inf"))
+    norm = step.clip_grad_norm_(float("inf"))
     torch.testing.assert_close(norm, expected)
-    assert opt.clip_grad_norm_(model, optimizer, float("inf")) == 0  # taken: the next step's
+    assert step.clip_grad_norm_(float("inf")) == 0  # taken: the next step's
+    step.optimizer_step(torch.tensor(1.0), norm)  # counted, nothing stepped again
+    assert int(guard.skipped) == 0
+    assert all(torch.equal(a, p) for a, p in zip(after, model.parameters(), strict=True))
+    step.optimizer_step(torch.tensor(float("nan")), norm)  # a bad loss: counted as bad
+    assert int(guard.skipped) == 1
+
+
+def test_the_plan_describes_the_parallel_layout_once() -> None:
+    """The stages that split or shard the model set the degrees of one ParallelDims; what
+    depends on the layout asks it (and the trainer builds its mesh from it)."""
+    one = planned(1).parallel
+    assert (one.pp, one.tp, one.dp_replicate, one.dp_size) == (1, 1, 1, 1) and not one.meshed
+    ddp = planned(4, "+opt=ddp").parallel
+    assert ddp.dp_size == 4 and not ddp.meshed and not ddp.fully_sharded and not ddp.fsdp_enabled
+    tp = planned(4, "+opt=tp", "opt.tp.degree=2").parallel
+    assert tp.tp_enabled and not tp.pp_enabled and tp.dp_size == 2 and tp.meshed
+    pp_tp = planned(8, "+opt=[tp,pp]", "opt.tp.degree=2").parallel
+    assert (pp_tp.pp, pp_tp.tp, pp_tp.dp_size) == (2, 2, 2) and pp_tp.pp_enabled
+    hsdp = planned(8, "+opt=fsdp", "opt.fsdp.replicas=2").parallel
+    assert hsdp.fsdp_enabled and hsdp.hsdp_enabled and (hsdp.dp_size, hsdp.dp_shard) == (8, 4)
+    assert hsdp.meshed and not planned(4, "+opt=fsdp").parallel.meshed  # FSDP over all: no mesh
+    # Accumulation reduces after the last micro-step, but under FSDP after each (unless asked).
+    assert planned(4, "+opt=accum").defer_reduce
+    assert not planned(4, "+opt=[accum,fsdp]").defer_reduce
+    assert planned(4, "+opt=[accum,fsdp]", "opt.accum.defer_fsdp_reduce=true").defer_reduce
+
+
+def test_the_selected_stages_hooks_run_with_their_knobs(monkeypatch) -> None:
+    """prepare_model runs on the plain model before the model stages; after_optimizer_step
+    after every optimizer step of the loop's step, with the stage's knobs."""
+    calls: list[tuple[str, object]] = []
+    amp = next(s for s in opt.STAGES if s.name == "amp")
+    spied = dataclasses.replace(
+        amp,
+        prepare_model=lambda ctx: calls.append(("prepare", ctx.knobs.dtype)),
+        after_optimizer_step=lambda ctx: calls.append(("after", ctx.knobs.dtype)),
+    )
+    monkeypatch.setattr(opt, "STAGES", tuple(spied if s is amp else s for s in opt.STAGES))
+    cfg = make_cfg("+opt=amp", "opt.amp.dtype=bfloat16", "train.grad_clip=inf")
+    plan = opt.plan(cfg, SINGLE)
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16))
+    opt.apply_model_stages(model, cfg.opt, plan, SINGLE)
+    assert calls == [("prepare", "bfloat16")]
+    optimizer = torch.optim.AdamW(model.parameters())
+    guard, scaler = NonFiniteGuard(SINGLE.device, SINGLE, 3), plan.grad_scaler(SINGLE.device)
+    step = opt.build_step(cfg.opt, plan, guard, model, model, optimizer, scaler)
+    x = torch.randint(0, 16, (2, 4))
+    for _ in range(2):
+        step.optimizer_step(step.forward_backward(x, x), step.clip_grad_norm_(float("inf")))
+    assert calls == [("prepare", "bfloat16"), ("after", "bfloat16"), ("after", "bfloat16")]

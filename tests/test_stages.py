@@ -9,6 +9,7 @@ import os
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch.optim import adam as adam_module  # where AdamW's three implementatio
 
 import data
 import opt
-from conftest import CONF, compiled_against_eager, logged, make_cfg, tiny_cfg
+from conftest import CONF, compiled_against_eager, logged, make_cfg, planned, tiny_cfg
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from recipe import distributed
@@ -178,13 +179,15 @@ def _toy(vocab_size: int = 64) -> GPT:
     return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=vocab_size))
 
 
-def _step(model: torch.nn.Module, plan: opt.Plan, batch: torch.Tensor, optimizer=None):
+def _step(model: GPT, plan: opt.Plan, batch: torch.Tensor, optimizer=None, module=None):
+    """One train_step of `module` (the model stages' module; default `model`)."""
     optimizer = optimizer or GradRecorder(model.parameters())
     scaler = plan.grad_scaler(CPU)
     guard = NonFiniteGuard(CPU, SINGLE, max_bad_steps=10)
-    losses, norm = train_step(
-        model, optimizer, scaler, batch[:, :-1], batch[:, 1:], plan, 1e9, guard
+    step = opt.build_step(
+        OmegaConf.create({}), plan, guard, model, module or model, optimizer, scaler
     )
+    losses, norm = train_step(step, batch[:, :-1], batch[:, 1:], 1e9)
     return losses / plan.micro_steps, norm, optimizer, scaler
 
 
@@ -206,17 +209,18 @@ def test_pp_runs_the_step_through_the_pipeline_schedule(tmp_path, monkeypatch) -
     batch = torch.randint(0, 64, (8, 9))
     full = _step(_toy(), opt.plan(tiny_cfg("train.batch_size=8"), SINGLE), batch)
     with _world_of_one(tmp_path):
-        mesh = distributed.build_mesh(CPU, 1, 1, 1)
+        parallel = distributed.ParallelDims(1)  # one rank: opt.plan wants 2+
+        parallel.build_mesh(CPU)
         cfg = tiny_cfg("+opt=pp", "opt.pp.degree=1", "opt.pp.schedule=gpipe")
-        plan = opt.Plan(stages=["pp"], batch_size=8)  # one rank: opt.plan wants 2+
+        plan = opt.Plan(stages=["pp"], batch_size=8, parallel=parallel)
         model = _toy()
-        pipeline = opt.apply_model_stages(model, cfg.opt, plan, replace(SINGLE, mesh=mesh))
-        assert isinstance(pipeline, opt.Pipeline)
+        pipeline = opt.apply_model_stages(model, cfg.opt, plan, replace(SINGLE, parallel=parallel))
+        assert isinstance(pipeline, opt.pp.Pipeline)
         calls = []
         schedule_step = pipeline.schedule.step
         counted = lambda *a, **k: calls.append(1) or schedule_step(*a, **k)  # noqa: E731
         monkeypatch.setattr(pipeline.schedule, "step", counted)
-        piped = _step(pipeline, plan, batch, GradRecorder(model.parameters()))  # model's order
+        piped = _step(model, plan, batch, GradRecorder(model.parameters()), module=pipeline)
     assert calls == [1]
     assert piped[0].item() == pytest.approx(full[0].item(), rel=1e-6)  # the micro-batches' mean
     assert piped[1].item() == pytest.approx(full[1].item(), rel=1e-5)  # gradient norm
@@ -287,10 +291,10 @@ def test_float16_scaler_is_live_and_skips_an_overflowing_step() -> None:
     batch = torch.randint(0, 64, (2, 9))
 
     guard = NonFiniteGuard(CPU, SINGLE, max_bad_steps=10)
+    stepper = opt.build_step(OmegaConf.create({}), plan, guard, model, model, optimizer, scaler)
 
     def step() -> torch.Tensor:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        return train_step(model, optimizer, scaler, inputs, targets, plan, 1.0, guard)[1]
+        return train_step(stepper, batch[:, :-1], batch[:, 1:], 1.0)[1]
 
     assert torch.isfinite(step()) and scaler.get_scale() == 65536.0  # a live, healthy scaler
     with torch.no_grad():  # force an overflow: fp16 activations of this layer become inf
@@ -408,7 +412,7 @@ def test_workers_and_non_blocking_reach_the_loader_and_the_copies(monkeypatch) -
     assert plan.loader == data.LoaderOptions(
         2, 2, pin_memory=False, non_blocking=True
     )  # CPU: no pinning
-    on_gpu = opt.non_blocking.apply_non_blocking(data.LoaderOptions(), torch.device("cuda", 0))
+    on_gpu = opt.non_blocking.with_pinned_batches(data.LoaderOptions(), torch.device("cuda", 0))
     assert on_gpu.pin_memory and on_gpu.non_blocking
 
     dataset = data.load_splits(make_cfg("data=synthetic").data, block_size=8, seed=0)["train"]
@@ -510,7 +514,7 @@ def test_ddp_accumulation_all_reduces_only_on_the_last_micro_step(tmp_path) -> N
             return fut
 
         ddp.register_comm_hook(None, count)
-        _step(ddp, plan, torch.randint(0, 64, (8, 9)), GradRecorder(model.parameters()))
+        _step(model, plan, torch.randint(0, 64, (8, 9)), GradRecorder(model.parameters()), ddp)
         buckets = len(set(reduced))
         assert (
             len(reduced) == buckets
@@ -545,3 +549,41 @@ def test_compile_caches_each_precisions_graphs_in_its_own_folder(
     opt.apply_model_stages(_toy(), cfg.opt, opt.plan(cfg, SINGLE), SINGLE)
     torch._dynamo.reset()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / folder)
+
+
+def test_tp_checkpoint_layout_saves_the_strided_qkv_whole_and_splits_it_back(tmp_path) -> None:
+    """+opt=tp's checkpoint layout (opt/tp.py's StridedLayout): a strided DTensor (the fused
+    QKV, and its optimizer state) is saved gathered, other values as they are; a load lays it
+    out as the model's own again; a whole checkpoint's tensor is put in place after the state
+    dict is set (which splits it wrongly)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    layout = opt.tp.STAGE.checkpoint_layout
+    assert layout is not None and opt.checkpoint_layouts(planned(2, "+opt=tp")) == [layout]
+    assert opt.checkpoint_layouts(planned(2, "+opt=fsdp")) == []
+    with _world_of_one(tmp_path):
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.arange(12.0).reshape(6, 2)
+        qkv = distribute_tensor(full, mesh, [_StridedShard(0, split_factor=3)])
+        plain = torch.ones(3)
+        tree = {"model": {"qkv": qkv, "ln": plain},
+                "optimizer": {"state": {"qkv": {"exp_avg": qkv, "step": plain}}}}  # fmt: skip
+        saved = layout.saved(tree)
+        for gathered in (saved["model"]["qkv"], saved["optimizer"]["state"]["qkv"]["exp_avg"]):
+            assert gathered.placements == (Replicate(),)
+            torch.testing.assert_close(gathered.to_local(), full)
+        assert saved["model"]["ln"] is plain and saved["optimizer"]["state"]["qkv"]["step"] is plain
+        back = layout.own(saved, tree)
+        assert back["model"]["qkv"].placements == qkv.placements
+        torch.testing.assert_close(back["model"]["qkv"].to_local(), qkv.to_local())
+
+        model = torch.nn.Module()
+        model.qkv = torch.nn.Parameter(qkv)
+        optimizer = torch.optim.SGD(model.parameters())
+        finish = layout.restore_whole(model, optimizer, {"qkv": 2 * full}, None)
+        param: Any = model.qkv  # a DTensor parameter
+        torch.testing.assert_close(param.to_local(), full)  # set_state_dict comes between
+        finish()
+        torch.testing.assert_close(param.to_local(), 2 * full)

@@ -175,10 +175,10 @@ def test_what_tp_cannot_do_is_refused_in_one_line(overrides, world: int, message
 
 def test_the_plan_holds_the_degree_and_the_loss_context() -> None:
     plan = opt.plan(make_cfg("+opt=[tp,fsdp]", "opt.tp.degree=2"), _world(4))
-    assert plan.stages == ["tp", "fsdp"] and plan.tp_degree == 2 and plan.vocab_parallel_loss
+    assert plan.stages == ["tp", "fsdp"] and plan.parallel.tp == 2 and plan.vocab_parallel_loss
     off = opt.plan(make_cfg("+opt=tp", "opt.tp.loss_parallel=false"), _world(2))
     assert not off.vocab_parallel_loss
-    assert opt.plan(make_cfg(), _world(2)).tp_degree == 1  # no tp: no mesh
+    assert opt.plan(make_cfg(), _world(2)).parallel.tp == 1  # no tp: no mesh
 
 
 def test_float16_under_tp_skips_steps_on_every_rank_together() -> None:

@@ -42,16 +42,15 @@ def _losses(*stages: str, **knobs: dict) -> list[float]:
     cfg, plan = _plan(*stages, **knobs)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=8, vocab_size=60))
-    dist = world.with_mesh(tp=plan.tp_degree)
+    dist = world.with_parallel(plan.parallel)
     train_model = opt.apply_model_stages(model, cfg.opt, plan, dist) if stages else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler, guard = plan.grad_scaler(dist.device), NonFiniteGuard(dist.device, dist, 3)
+    step = opt.build_step(cfg.opt, plan, guard, model, train_model, optimizer, scaler)
     batches = torch.randint(0, 60, (STEPS, 4, 9), generator=torch.Generator().manual_seed(0))
     losses = []
     for batch in batches:
-        loss, _ = train_step(
-            train_model, optimizer, scaler, batch[:, :-1], batch[:, 1:], plan, 0.5, guard
-        )
+        loss, _ = train_step(step, batch[:, :-1], batch[:, 1:], 0.5)
         losses.append(loss.item())
     return losses
 
@@ -79,7 +78,7 @@ def _local_fraction() -> float:
     cfg, plan = _plan("tp")
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=8, vocab_size=60))
     total = sum(p.numel() for p in model.parameters())
-    opt.apply_model_stages(model, cfg.opt, plan, world.with_mesh(tp=plan.tp_degree))
+    opt.apply_model_stages(model, cfg.opt, plan, world.with_parallel(plan.parallel))
     return sum(p.to_local().numel() for p in model.parameters()) / total  # type: ignore[attr-defined]
 
 
@@ -90,7 +89,8 @@ def _pending_grads() -> list[int]:
     cfg, plan = _plan("tp", tp={"sequence_parallel": True})
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=8, vocab_size=60))
-    train_model = opt.apply_model_stages(model, cfg.opt, plan, world.with_mesh(tp=plan.tp_degree))
+    dist = world.with_parallel(plan.parallel)
+    train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
     batch = torch.randint(0, 60, (4, 9), generator=torch.Generator().manual_seed(0))
     with plan.loss_context():
         train_model(batch[:, :-1], batch[:, 1:])[1].backward()
@@ -100,7 +100,9 @@ def _pending_grads() -> list[int]:
         return sum(any(x.is_partial() for x in g.placements) for g in grads)
 
     before = pending()
-    opt.clip_grad_norm_(train_model, torch.optim.AdamW(model.parameters()), 0.5)
+    optimizer, guard = torch.optim.AdamW(model.parameters()), NonFiniteGuard(dist.device, dist, 3)
+    scaler = plan.grad_scaler(dist.device)
+    opt.build_step(cfg.opt, plan, guard, model, train_model, optimizer, scaler).clip_grad_norm_(0.5)
     return [before, pending()]
 
 

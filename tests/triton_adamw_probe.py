@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omegaconf import OmegaConf  # noqa: E402
 
 import kernels.triton_adamw8bit as kernel  # noqa: E402
-from opt.lowbit import apply_lowbit  # noqa: E402
+from opt.lowbit import optimizer_class  # noqa: E402
 
 LAUNCHES = [0]  # calls of the fused update (each for several tensors): impl=triton ran it
 _real_update = kernel.adamw_update_
@@ -38,7 +38,7 @@ def _pair(device: str, shapes: list[tuple[int, ...]]):
     optimizers, params = {}, {}
     for update in ("fused", "torchao"):
         impl = "triton" if update == "fused" else "torchao"
-        cls: Any = apply_lowbit(OmegaConf.create({"bits": 8, "impl": impl}))
+        cls: Any = optimizer_class(OmegaConf.create({"bits": 8, "impl": impl}))
         params[update] = [torch.nn.Parameter(w.clone()) for w in weights]
         groups = [
             {"params": [p for p in params[update] if p.dim() >= 2], "weight_decay": 0.1},
@@ -112,7 +112,7 @@ def rounding(device: str) -> dict[str, float]:
                                    ("stochastic_torchao", "torchao", True),
                                    ("nearest_triton", "triton", False)]:  # fmt: skip
         torch.manual_seed(0)
-        cls: Any = apply_lowbit(OmegaConf.create({"bits": 8, "impl": impl}))
+        cls: Any = optimizer_class(OmegaConf.create({"bits": 8, "impl": impl}))
         weights = [torch.nn.Parameter(torch.ones(shape, dtype=torch.bfloat16, device=device))
                    for shape in ((128, 256), (4000,))]  # fmt: skip
         optimizer = cls(weights, lr=1e-4, weight_decay=0.0, bf16_stochastic_round=stochastic)
