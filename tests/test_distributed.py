@@ -40,7 +40,7 @@ from launch.torchrun import descendants, torchrun
 from model import GPT, GPTConfig
 from opt.ddp import apply_ddp, default_knobs
 from recipe import checkpoint, distributed
-from recipe.distributed import Distributed
+from recipe.distributed import Distributed, ParallelDims
 from recipe.guard import NonFiniteGuard
 from train import train, train_step
 
@@ -535,7 +535,8 @@ def test_fsdp_cpu_offload_clips_gradients_on_the_gpu(gpu_group) -> None:
     """Offloaded gradients are CPU DTensors: their norm all-reduces through the default group's
     gloo backend (without it: "No backend type associated with device type cpu")."""
     cfg = make_cfg("+opt=fsdp", "opt.fsdp.cpu_offload=true", "train.batch_size=2")
-    plan = opt.plan(cfg, gpu_group)
+    # As +opt=fsdp's plan leaves it (opt.plan itself refuses fsdp in a process group of one).
+    plan = opt.Plan(stages=["fsdp"], batch_size=2, parallel=ParallelDims(1, fully_sharded=True))
     toy = _toy().cuda()
     model = opt.fsdp.apply_fsdp(toy, cfg.opt.fsdp, gpu_group, None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
