@@ -26,9 +26,10 @@ from omegaconf import DictConfig
 import data
 import opt
 import tasks
+from base import distributed, errors
 from launch import torchrun
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, distributed, errors, rundir
+from recipe import checkpoint, config, rundir
 from recipe.evaluation import build_loaders, validation
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import cap_memory, matmul_ceiling, peak_flops

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset
 
+from base.errors import ConfigError
 from data.config import check_config
 from data.identity import check_corpus, corpus_identity
 from data.prepare import SPLITS, prepare, prepared_folder, read_meta, verify
@@ -23,7 +24,6 @@ from data.sampler import StepSampler
 from data.tokenizer import VOCAB_SIZE
 from data.windows import RandomTokens, TextWindows, TokenWindows
 from data.workers import WorkerInit
-from recipe.errors import ConfigError
 
 __all__ = [
     "DeviceBatches",

@@ -6,8 +6,8 @@ import re
 
 from omegaconf import DictConfig
 
+from base.errors import ConfigError
 from data.tokenizer import VOCAB_SIZE
-from recipe.errors import ConfigError
 
 SOURCES = ("shakespeare", "text", "hub", "synthetic")
 LOADERS = ("memmap", "text")

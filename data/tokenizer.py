@@ -16,7 +16,7 @@ import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from recipe.errors import Unusable
+from base.errors import Unusable
 
 EOT = 50256  # <|endoftext|>, the document separator
 VOCAB_SIZE = 50257  # GPT-2's ids are [0, VOCAB_SIZE): the BPE merges, then <|endoftext|>

@@ -15,10 +15,10 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
+from base.errors import ConfigError
 from data.prepare import DOC_SEPARATOR
 from data.preprocess import preprocess
 from data.tokenizer import EOT, gpt2_encoding
-from recipe.errors import ConfigError
 
 
 def _epoch_offset(seed: int, epoch: int, stride: int) -> int:

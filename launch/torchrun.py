@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from recipe.errors import ConfigError
+from base.errors import ConfigError
 
 STOP_MARKS = "GPT2_RECIPE_STOP_MARKS"  # where each trainer marks "checkpoint saved on a stop"
 

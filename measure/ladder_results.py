@@ -13,8 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from base.files import read_json
 from measure import ladder_chart, ladder_table, ladders, stats
-from recipe.files import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = ROOT / "docs" / "results"  # the shipped results: written only with publish=true

@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-import recipe.errors
+import base.errors
 
 ROOT = Path(__file__).resolve().parents[1]
 # The harness's own config, apart from conf/'s groups: train.py's search path does not see it.
@@ -78,25 +78,21 @@ def selection(cfg: DictConfig, plans: list[dict]) -> tuple[list[dict], dict | No
     ladder, names = cfg.ladder, [p["name"] for p in plans]
     where = f"ladder {ladder.name} (conf/ablate/ladder/{ladder.name}.yaml)"
     if repeated(names):
-        raise recipe.errors.ConfigError(
+        raise base.errors.ConfigError(
             f"{where} names {repeated(names)} more than once; rename them"
         )
     wanted = list(cfg.steps) if cfg.steps else names
     if repeated(wanted):
-        raise recipe.errors.ConfigError(f"steps={wanted} names {repeated(wanted)} more than once")
+        raise base.errors.ConfigError(f"steps={wanted} names {repeated(wanted)} more than once")
     unknown = sorted(set(wanted) - set(names))
     if unknown:
-        raise recipe.errors.ConfigError(f"steps {unknown} are not in {where}: {names}")
+        raise base.errors.ConfigError(f"steps {unknown} are not in {where}: {names}")
     chosen = [p for p in plans if p["name"] in wanted]
     if cfg.get("anchor"):
         if cfg.anchor not in names:
-            raise recipe.errors.ConfigError(
-                f"anchor={cfg.anchor} is not a step of {where}: {names}"
-            )
+            raise base.errors.ConfigError(f"anchor={cfg.anchor} is not a step of {where}: {names}")
         if cfg.anchor in wanted:
-            raise recipe.errors.ConfigError(
-                f"anchor={cfg.anchor} is one of steps={wanted}; drop it"
-            )
+            raise base.errors.ConfigError(f"anchor={cfg.anchor} is one of steps={wanted}; drop it")
         return chosen, plans[names.index(cfg.anchor)]
     first = chosen[0]["index"]
     if ladder.cumulative:
@@ -115,7 +111,7 @@ def check_device(cfg: DictConfig) -> None:
     if torch.cuda.is_available() or "device=cpu" in [*ladder.workload, *cfg.extra]:
         return
     model = next((w for w in ladder.workload if w.startswith("model=")), "its model")
-    raise recipe.errors.ConfigError(
+    raise base.errors.ConfigError(
         f"ladder={ladder.name} measures {model} on a GPU, and this machine has none: use "
         "ladder=quick, sized for a CPU (or \"extra=['device=cpu']\" to run this one anyway)"
     )
@@ -131,9 +127,7 @@ def repeat_count(cfg: DictConfig, ladder: DictConfig) -> int:
     for value in (cfg.get("repeats"), ladder.get("repeats")):
         if value is not None:
             if not isinstance(value, int) or value < 1:
-                raise recipe.errors.ConfigError(
-                    f"repeats={value}: give a whole number of runs, >= 1"
-                )
+                raise base.errors.ConfigError(f"repeats={value}: give a whole number of runs, >= 1")
             return value
     return 3 if torch.cuda.is_available() else 1
 

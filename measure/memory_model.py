@@ -41,11 +41,11 @@ import torch
 from omegaconf import DictConfig
 
 import opt
+from base.distributed import Distributed
+from base.errors import ConfigError
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from opt.custom_op import apply_custom_op
-from recipe.distributed import Distributed
-from recipe.errors import ConfigError
 
 GIB = 2**30
 # The one calibrated constant of the prediction: what the category model leaves out (LayerNorm

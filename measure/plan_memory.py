@@ -24,10 +24,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from base import errors
+from base.errors import ConfigError
 from measure import memory_model
 from recipe import config as recipe_config
-from recipe import errors
-from recipe.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -238,5 +238,5 @@ def main(argv: list[str]) -> int:
 
 def cli(argv: list[str]) -> int:
     """main(), a mistake (a bad override, a typo, a bad budget) refused in one line as train.py
-    refuses it (recipe/errors.py: the closest key or option), exit 2; not a traceback."""
+    refuses it (base/errors.py: the closest key or option), exit 2; not a traceback."""
     return errors.main(lambda: main(argv))

@@ -46,10 +46,10 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from base import errors
+from base.files import read_json, shape_problem
 from launch.provenance import environment
 from measure import stats
-from recipe import errors
-from recipe.files import read_json, shape_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 

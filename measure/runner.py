@@ -203,7 +203,7 @@ def summary_value(summary: dict, column: str, key: str) -> Any:
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# An exception's last traceback line, or a one-line error (recipe/errors.py: `<program>: error:`).
+# An exception's last traceback line, or a one-line error (base/errors.py: `<program>: error:`).
 RAISED = re.compile(r"^[\w.]*(Error|Exception)\b|^[\w.]+: error: |CUDA out of memory")
 # Hydra's own errors (an unknown config, a bad override) name no exception: its message is the
 # block from "Could not ..." up to the search path or its HYDRA_FULL_ERROR hint.

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from base import errors
 from launch.provenance import environment
-from recipe import errors
 from recipe.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recipe.errors import ConfigError, Unusable
+from base.errors import ConfigError, Unusable
 
 # A fused head + loss: (hidden (N, C), head weight (V, C), targets (N,)) -> the mean loss.
 FusedLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -47,6 +47,9 @@ from dataclasses import replace
 import torch
 from omegaconf import DictConfig
 
+from base import knobs
+from base.distributed import Distributed, ParallelDims
+from base.errors import ConfigError
 from model import GPT
 from opt import (
     ac,
@@ -72,10 +75,7 @@ from opt import (
 from opt.accum import gradient_sync
 from opt.stage import PLANNED, Context, Phase, Plan, Stage, Step
 from opt.step import LoopStep
-from recipe import knobs
 from recipe.checkpoint import StateLayout
-from recipe.distributed import Distributed, ParallelDims
-from recipe.errors import ConfigError
 from recipe.guard import NonFiniteGuard
 
 STAGES: tuple[Stage, ...] = (
@@ -215,7 +215,7 @@ def _chosen(p: Plan) -> list[Stage]:
 
 
 def _check_knobs(stage: Stage, node: DictConfig) -> None:
-    """The stage's knobs against its Knobs dataclass (recipe/knobs.py), in one line."""
+    """The stage's knobs against its Knobs dataclass (base/knobs.py), in one line."""
     if stage.knobs is not None:
         knobs.check(node, stage.knobs, f"opt.{stage.name}")
     elif node:

@@ -29,11 +29,11 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from base.distributed import log
+from base.errors import ConfigError
+from base.knobs import count
 from model import GPT
 from opt.stage import Stage
-from recipe.distributed import log
-from recipe.errors import ConfigError
-from recipe.knobs import count
 
 Mode = Literal["full", "selective", "op"]
 Target = Literal["block", "attn", "mlp"]

@@ -17,10 +17,10 @@ import torch
 from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
+from base.distributed import log
+from base.errors import ConfigError
+from base.knobs import count
 from opt.stage import Context, Stage
-from recipe.distributed import log
-from recipe.errors import ConfigError
-from recipe.knobs import count
 
 
 def micro_steps(batch_size: int, cfg: DictConfig) -> int:

@@ -15,9 +15,9 @@ from typing import Literal
 import torch
 from omegaconf import DictConfig
 
+from base.distributed import log
+from base.errors import ConfigError
 from opt.stage import Context, Stage
-from recipe.distributed import log
-from recipe.errors import ConfigError
 from recipe.precision import AUTOCAST_DTYPES as DTYPES  # the dtypes opt.amp.dtype chooses from
 from recipe.precision import warn_if_float16_on_cpu
 

@@ -33,10 +33,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from base.distributed import log
+from base.errors import ConfigError
 from model.gpt import GPT, Attend, causal_attention
 from opt.stage import Context, Stage
-from recipe.distributed import log
-from recipe.errors import ConfigError
 from recipe.metrics import reset_memory_peaks
 
 Backend = Literal["auto", "cudnn", "flash", "efficient", "math", "flex"]

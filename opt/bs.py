@@ -9,9 +9,9 @@ from typing import Annotated
 
 from omegaconf import DictConfig
 
+from base.distributed import log
+from base.knobs import count
 from opt.stage import Context, Stage
-from recipe.distributed import log
-from recipe.knobs import count
 
 
 def batch_size(cfg: DictConfig) -> int:

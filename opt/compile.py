@@ -43,9 +43,9 @@ import torch
 import torch._dynamo
 from omegaconf import DictConfig
 
+from base.distributed import log
+from base.errors import ConfigError, Unusable
 from opt.stage import Context, Stage
-from recipe.distributed import log
-from recipe.errors import ConfigError, Unusable
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 Scope = Literal["model", "block"]

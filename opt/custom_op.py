@@ -23,13 +23,13 @@ from typing import Annotated, Literal
 
 from omegaconf import DictConfig
 
+from base.distributed import log
+from base.errors import ConfigError
+from base.knobs import count
 from kernels import linear_cross_entropy
 from kernels.library_heads import LIBRARIES, LOSSES, missing
 from model import GPT
 from opt.stage import Stage
-from recipe.distributed import log
-from recipe.errors import ConfigError
-from recipe.knobs import count
 
 
 def check_custom_op(cfg: DictConfig) -> None:

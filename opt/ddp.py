@@ -20,11 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from base.distributed import Distributed, log
+from base.errors import ConfigError
+from base.knobs import positive
 from opt.pp import data_parallel_roots
 from opt.stage import Context, Stage
-from recipe.distributed import Distributed, log
-from recipe.errors import ConfigError
-from recipe.knobs import positive
 
 KNOBS = Path(__file__).resolve().parents[1] / "conf" / "opt" / "ddp.yaml"
 # Gradient compression for the all-reduce: the bucket is cast down, reduced, cast back.

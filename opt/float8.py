@@ -31,9 +31,9 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from base.distributed import log
+from base.errors import ConfigError
 from opt.stage import Context, Stage
-from recipe.distributed import log
-from recipe.errors import ConfigError
 
 if TYPE_CHECKING:
     from model import GPT

@@ -25,10 +25,10 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from base.distributed import Distributed, hsdp_shards, log
+from base.knobs import count
 from opt.pp import data_parallel_roots
 from opt.stage import Context, Stage
-from recipe.distributed import Distributed, hsdp_shards, log
-from recipe.knobs import count
 
 MixedPrecision = Literal["autocast", "pure"]
 

@@ -44,9 +44,9 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 
+from base.distributed import log
+from base.errors import ConfigError
 from opt.stage import Context, Plan, Stage
-from recipe.distributed import log
-from recipe.errors import ConfigError
 
 TAG = "lowbit_bits"  # marks a quantized moment saved as its parts; its value: 8 or 4
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import torch
 
+from base.distributed import log
 from data import LoaderOptions
 from opt.stage import Context, Stage
-from recipe.distributed import log
 
 
 def with_pinned_batches(options: LoaderOptions, device: torch.device) -> LoaderOptions:

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as torch_dist
 from omegaconf import DictConfig, OmegaConf
 
+from base.distributed import Distributed, init_process_group, log
 from opt.fsdp import apply_fsdp
 from opt.stage import Context, Stage
-from recipe.distributed import Distributed, init_process_group, log
 
 
 def offloads(device: torch.device) -> bool:

@@ -42,10 +42,10 @@ from typing import Any, cast
 
 import torch
 
+from base.distributed import log
+from base.errors import ConfigError
 from opt.stage import Context, Stage
 from opt.step import LoopStep
-from recipe.distributed import log
-from recipe.errors import ConfigError
 from recipe.guard import NonFiniteGuard, step_unless
 
 

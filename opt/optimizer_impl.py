@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from base.distributed import log
+from base.errors import ConfigError
 from opt.stage import Context, Stage
-from recipe.distributed import log
-from recipe.errors import ConfigError
 
 IMPLEMENTATIONS = ("forloop", "foreach", "fused")
 

@@ -47,13 +47,13 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
+from base.distributed import Distributed, ParallelDims, log, mesh_shape
+from base.errors import ConfigError
+from base.knobs import count
 from model import GPT, GPTConfig
 from opt.stage import Context, Plan, Stage
 from opt.step import LoopStep
 from opt.tp import ResidualStream, plain, residual_stream
-from recipe.distributed import Distributed, ParallelDims, log, mesh_shape
-from recipe.errors import ConfigError
-from recipe.knobs import count
 from recipe.metrics import StepTimer
 
 IGNORED = -100  # F.cross_entropy's ignore_index: the targets of evaluation's padding rows

@@ -1,6 +1,6 @@
 """What a stage is. Each `opt/<module>.py` declares its stage(s) as a `Stage`: its name (the
 `conf/opt/<name>.yaml` that `+opt=<name>` selects), the phase it runs in, its knobs (a dataclass
-whose field types are the rules: recipe/knobs.py), the stages it cannot run with and why, how many
+whose field types are the rules: base/knobs.py), the stages it cannot run with and why, how many
 processes it needs, an optional check of what its knobs cannot do with the rest of the config,
 and `apply`. opt/__init__.py's ORDER lists them in the order they run; `opt.plan` checks every
 selected stage's knobs and rules, then applies the planning phases; the model and step phases
@@ -47,8 +47,8 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from base.distributed import Distributed, ParallelDims
 from data import LoaderOptions
-from recipe.distributed import Distributed, ParallelDims
 
 if TYPE_CHECKING:
     from model import GPT

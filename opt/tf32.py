@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from base.distributed import log
 from opt.stage import Stage
-from recipe.distributed import log
 
 
 def apply_tf32(enabled: bool, device: torch.device) -> None:

@@ -42,11 +42,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from base.distributed import Distributed, log, mesh_shape
+from base.errors import ConfigError
+from base.knobs import count
 from model import GPT, GPTConfig
 from opt.stage import Context, Stage
-from recipe.distributed import Distributed, log, mesh_shape
-from recipe.errors import ConfigError
-from recipe.knobs import count
 
 
 def check_tp_model(degree: int, config: GPTConfig) -> None:

@@ -9,10 +9,10 @@ from typing import Annotated
 
 from omegaconf import DictConfig
 
+from base.distributed import log
+from base.knobs import count
 from data import LoaderOptions
 from opt.stage import Context, Stage
-from recipe.distributed import log
-from recipe.knobs import count
 
 
 def available_cpus() -> int:

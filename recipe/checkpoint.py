@@ -72,10 +72,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
+from base.distributed import Distributed, launcher_died, log
+from base.errors import ConfigError, MissingFile, Reported, Unusable
+from base.files import refuse_link, write_text_atomically
 from data import integrity
-from recipe.distributed import Distributed, launcher_died, log
-from recipe.errors import ConfigError, MissingFile, Reported, Unusable
-from recipe.files import refuse_link, write_text_atomically
 
 FILENAME = "checkpoint.pt"
 SHARDED = "checkpoint.dcp"  # a folder: step-<N>/ (DCP shards + meta.pt + sha256.json) and LATEST
@@ -121,7 +121,7 @@ def _rng_state() -> dict[str, Any]:
 
 def _remove_stale_temporaries(folder: Path) -> None:
     """Deletes `*.tmp-<pid>` files left by processes that were killed while saving."""
-    # `*.pt.tmp-<pid>`: write_atomically's; `.*.json.tmp-<pid>`: its checksums' (recipe/files.py);
+    # `*.pt.tmp-<pid>`: write_atomically's; `.*.json.tmp-<pid>`: its checksums' (base/files.py);
     # `checkpoint.tmp-<pid>`: earlier versions' name.
     patterns = ("*.pt.tmp-*", "*.json.tmp-*", f"{Path(FILENAME).stem}.tmp-*")
     for tmp in [path for pattern in patterns for path in folder.glob(pattern)]:

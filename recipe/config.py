@@ -31,11 +31,12 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 import data
-from recipe import knobs, rundir
-from recipe.distributed import DEVICES, log
-from recipe.errors import ConfigError, MissingFile, Unusable, unknown_key
-from recipe.files import write_text_atomically
-from recipe.knobs import Choices, Number, count, positive
+from base import knobs
+from base.distributed import DEVICES, log
+from base.errors import ConfigError, MissingFile, Unusable, unknown_key
+from base.files import write_text_atomically
+from base.knobs import Choices, Number, count, positive
+from recipe import rundir
 
 CONFIG_FILE, OVERRIDES_FILE = "config.yaml", "overrides.yaml"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

@@ -15,8 +15,8 @@ import torch
 from omegaconf import DictConfig
 
 import data
+from base import distributed
 from model import GPTConfig
-from recipe import distributed
 
 
 class EvalPlan(Protocol):

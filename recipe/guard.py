@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as torch_dist
 
-from recipe.distributed import Distributed
-from recipe.errors import Reported
+from base.distributed import Distributed
+from base.errors import Reported
 
 
 class NonFiniteSteps(Reported, RuntimeError):

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from recipe.distributed import log
-from recipe.errors import ConfigError
+from base.distributed import log
+from base.errors import ConfigError
 
 GiB = 2**30
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from recipe.distributed import Distributed, log
-from recipe.files import write_text_atomically
+from base.distributed import Distributed, log
+from base.files import write_text_atomically
 from recipe.rundir import seconds_since_launch
 
 GiB = 1024**3

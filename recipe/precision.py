@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from recipe.distributed import log
+from base.distributed import log
 
 AUTOCAST_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # what autocast runs in
 DTYPES = {"float32": torch.float32, **AUTOCAST_DTYPES}  # float32: the weights' own, no autocast

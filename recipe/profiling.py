@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from recipe.distributed import log
-from recipe.errors import ConfigError
+from base.distributed import log
+from base.errors import ConfigError
 
 
 def trace_name(rank: int) -> str:

@@ -34,10 +34,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from base.distributed import launcher
+from base.errors import FileRefused, MissingFile, Unusable
+from base.files import refuse_link, write_text_atomically
 from recipe.checkpoint import BEST, FILENAME, HISTORY, SHARDED
-from recipe.distributed import launcher
-from recipe.errors import FileRefused, MissingFile, Unusable
-from recipe.files import refuse_link, write_text_atomically
 
 METRICS, SUMMARY, LOCK = "metrics.jsonl", "summary.json", ".lock"
 # Every file the trainer writes in a run folder (config.yaml and overrides.yaml: recipe/config.py's

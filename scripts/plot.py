@@ -3,8 +3,8 @@
 
 import sys
 
-import recipe.errors
+import base.errors
 from measure import plot
 
 if __name__ == "__main__":
-    recipe.errors.main(lambda: plot.main(sys.argv[1:]))  # bad input in one line
+    base.errors.main(lambda: plot.main(sys.argv[1:]))  # bad input in one line

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from base import errors
 from data import prepare, verify
-from recipe import errors
 
 ROOT = Path(__file__).resolve().parents[1]
 

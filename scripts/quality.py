@@ -1,8 +1,8 @@
 """`python scripts/quality.py`: does the fastest configuration learn as well
 (measure/quality.py says how)."""
 
-import recipe.errors
+import base.errors
 from measure import quality
 
 if __name__ == "__main__":
-    recipe.errors.main(quality.main)  # bad input in one line
+    base.errors.main(quality.main)  # bad input in one line

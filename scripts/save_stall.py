@@ -1,8 +1,8 @@
 """`python scripts/save_stall.py`: how long a checkpoint save holds the loop
 (measure/save_stall.py says how)."""
 
-import recipe.errors
+import base.errors
 from measure import save_stall
 
 if __name__ == "__main__":
-    recipe.errors.main(save_stall.main)  # bad input in one line
+    base.errors.main(save_stall.main)  # bad input in one line

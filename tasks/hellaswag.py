@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from base.errors import ConfigError
 from data.tokenizer import gpt2_encoding
-from recipe.errors import ConfigError
 from tasks.jsonl import hub_split_file, read_jsonl, read_task_file
 from tasks.scoring import Pairs, encode_pair, scored_continuations
 from tasks.task import Task

@@ -6,8 +6,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from recipe.errors import ConfigError, MissingFile, Unusable
-from recipe.files import write_text_atomically
+from base.errors import ConfigError, MissingFile, Unusable
+from base.files import write_text_atomically
 
 Check = Callable[[str, str], dict]  # (line, where) -> the item, or a one-line ConfigError
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from recipe.distributed import Distributed
+from base.distributed import Distributed
 
 Score = Callable[[torch.nn.Module, list[dict], int, torch.device], torch.Tensor]
 

@@ -54,7 +54,7 @@ def planned(processes: int, *overrides: str) -> opt.Plan:
     """`opt.plan` of `python train.py <overrides>` on rank 0 of `processes` processes (planning
     only: no process group is made)."""
     import opt
-    from recipe.distributed import Distributed
+    from base.distributed import Distributed
 
     dist = Distributed(rank=0, local_rank=0, world_size=processes, device=torch.device("cpu"))
     return opt.plan(make_cfg(*overrides), dist)

@@ -18,9 +18,9 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from base.errors import ConfigError
 from conftest import ROOT, python
 from measure import ablate, ladder_results, ladder_table, ladders, runner, stats
-from recipe.errors import ConfigError
 
 
 @pytest.mark.parametrize("name", ["speed", "memory_xl"])
@@ -82,7 +82,7 @@ def _harness(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 def test_ctrl_c_on_the_harness_ends_in_one_line(tmp_path) -> None:
     # A terminal's Ctrl-C reaches the harness's process group (its steps run in their own): it
-    # stops the running step and ends in recipe/errors.py's one line, not a traceback.
+    # stops the running step and ends in base/errors.py's one line, not a traceback.
     command = [python(), "scripts/ablate.py", "ladder=quick", f"out_dir={tmp_path / 'results'}",
                f"runs_dir={tmp_path / 'runs'}", "extra=['wandb.mode=disabled']"]  # fmt: skip
     proc = subprocess.Popen(
@@ -162,8 +162,8 @@ def test_memory_xl_rows_drop_what_cannot_combine_and_keep_16k_tokens() -> None:
     import torch
 
     import opt
+    from base.distributed import Distributed
     from conftest import make_cfg
-    from recipe.distributed import Distributed
 
     ladder = ladders.read("memory_xl")
     plans = {p["name"]: p for p in ladders.step_plans(ladder)}
@@ -374,7 +374,7 @@ def _results_with(**changes: object) -> str:
 def test_a_malformed_report_is_refused_in_one_line(tmp_path, capsys, content, line) -> None:
     """`report=` of a results json that ablate.py did not write: one line naming the file and
     what is wrong, exit 2, no chart."""
-    from recipe import errors
+    from base import errors
 
     results = tmp_path / "memory_xl.json"
     results.write_text(content)

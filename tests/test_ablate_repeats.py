@@ -12,9 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from base.errors import ConfigError
 from conftest import ROOT
 from measure import ablate, ladder_chart, ladder_results, ladders, runner, stats
-from recipe.errors import ConfigError
 
 chart = ladder_chart.chart  # the real one, which most tests here replace (a second per run)
 

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import opt
+from base.distributed import Distributed
+from base.errors import ConfigError
 from conftest import make_cfg, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from opt import attention
-from recipe.distributed import Distributed
-from recipe.errors import ConfigError
 
 CPU = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 # A CUDA rank, for the refusals that only plan (no GPU is touched).

@@ -12,10 +12,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from base.distributed import Distributed
 from conftest import make_cfg, tiny_run
 from model import GPT, GPTConfig
 from recipe import checkpoint
-from recipe.distributed import Distributed
 from tools import loading
 from train import train
 
@@ -70,8 +70,8 @@ def test_keep_one_is_the_single_checkpoint_of_before(tmp_path) -> None:
 def test_dcp_keeps_the_last_n_step_folders(tmp_path, background) -> None:
     import torch.distributed as torch_dist
 
+    from base import distributed
     from opt.fsdp import apply_fsdp
-    from recipe import distributed
 
     distributed.init_process_group(CPU.device, rank=0, world_size=1, store=torch_dist.HashStore())
     try:

@@ -19,10 +19,11 @@ import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from base import distributed, errors
 from conftest import CONF, ROOT, python, tiny_run
 from model import GPT, GPTConfig
 from opt.fsdp import apply_fsdp
-from recipe import checkpoint, distributed, errors
+from recipe import checkpoint
 from tools import consolidate_checkpoint as consolidate_app
 from tools import evaluate as evaluate_app
 from tools import export_hf as export_app

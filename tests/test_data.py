@@ -223,7 +223,7 @@ def test_prepare_script(tmp_path) -> None:
 def test_a_split_too_short_for_three_windows_says_what_to_change_for_that_split(
     tmp_path, split, advice
 ) -> None:
-    from recipe.errors import ConfigError
+    from base.errors import ConfigError
 
     tokens = tmp_path / f"{split}.bin"
     np.zeros(20, dtype=np.uint16).tofile(tokens)

@@ -25,6 +25,8 @@ import torch.distributed as torch_dist
 from omegaconf import OmegaConf
 
 import opt
+from base import distributed
+from base.distributed import Distributed, ParallelDims
 from conftest import (
     ROOT,
     RUN_4_STEPS,
@@ -39,8 +41,7 @@ from conftest import (
 from launch.torchrun import descendants, torchrun
 from model import GPT, GPTConfig
 from opt.ddp import apply_ddp, default_knobs
-from recipe import checkpoint, distributed
-from recipe.distributed import Distributed, ParallelDims
+from recipe import checkpoint
 from recipe.guard import NonFiniteGuard
 from train import train, train_step
 
@@ -316,7 +317,7 @@ def test_a_worker_whose_agent_died_before_it_asked_stops_at_once(monkeypatch) ->
     worker's parent changed meanwhile) is never signalled, so the worker stops in one line."""
     from types import SimpleNamespace
 
-    from recipe.errors import Reported
+    from base.errors import Reported
 
     asked: list[tuple] = []
     libc = SimpleNamespace(prctl=lambda *args: asked.append(args) or 0)

@@ -1,4 +1,4 @@
-"""One-line errors (recipe/errors.py): a user's mistake, Hydra's own errors included, ends every
+"""One-line errors (base/errors.py): a user's mistake, Hydra's own errors included, ends every
 entry point in one line naming the key or file, exit status 2, no traceback, and before any data
 is prepared; a diverged run exits 1 with its line; a bug keeps its traceback. And the documented
 way to drop a stage on resume, '~opt=<stage>'."""
@@ -14,9 +14,10 @@ import torch
 from omegaconf import OmegaConf
 
 import opt
+from base import errors
+from base.distributed import Distributed
 from conftest import ROOT, RUN_4_STEPS, TINY, make_cfg, python, tiny_cfg, tiny_run, torchrun_output
-from recipe import config, errors
-from recipe.distributed import Distributed
+from recipe import config
 from recipe.guard import NonFiniteSteps
 from train import train
 

@@ -16,9 +16,9 @@ import torch
 
 import data
 import opt
+from base.distributed import Distributed
 from conftest import ROOT, python, tiny_cfg
 from model import GPT, GPTConfig
-from recipe.distributed import Distributed
 
 SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -170,7 +170,7 @@ FSDP_PROBE = """
 import warnings, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from model import GPT, GPTConfig
-from recipe.distributed import init_process_group
+from base.distributed import init_process_group
 init_process_group(torch.device("cpu"), rank=0, world_size=1, store=dist.HashStore())
 model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50))
 fully_shard(model.transformer.h[0])

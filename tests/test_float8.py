@@ -16,13 +16,13 @@ from omegaconf import OmegaConf
 from torch import nn
 
 import opt
+from base import distributed
+from base.distributed import Distributed
+from base.errors import ConfigError
 from conftest import ROOT, logged, make_cfg, python, tiny_run, torchrun_output
 from model import GPT, GPTConfig
 from opt import float8
 from opt.stage import Context, Plan
-from recipe import distributed
-from recipe.distributed import Distributed
-from recipe.errors import ConfigError
 from recipe.guard import NonFiniteGuard
 
 ao = pytest.importorskip("torchao.float8")

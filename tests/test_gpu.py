@@ -12,10 +12,10 @@ import torch
 
 import data
 import opt
+from base.distributed import Distributed
 from conftest import compiled_against_eager, make_cfg, tiny_cfg
 from measure import step_budget
 from model import GPT, GPTConfig
-from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import peak_flops
 from recipe.metrics import gpu_counters, now_us

@@ -10,10 +10,10 @@ import subprocess
 import torch
 
 import opt
+from base.distributed import Distributed
 from conftest import ROOT, make_cfg, python
 from measure import gpu_check, ladders
 from recipe import config
-from recipe.distributed import Distributed
 
 PASSED = gpu_check.PytestRun(0, {"passed": 26, "skipped": 1})
 FAILED = gpu_check.PytestRun(1, {"failed": 1, "passed": 25, "skipped": 1})

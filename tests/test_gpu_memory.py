@@ -127,10 +127,10 @@ def test_the_step_in_backward_never_waits_for_the_gpu(impl: str) -> None:
     every other test passed."""
     from omegaconf import OmegaConf
 
+    from base.distributed import Distributed
     from model.gpt import GPT, GPTConfig
     from opt.lowbit import optimizer_class
     from opt.opt_in_backward import apply_opt_in_backward
-    from recipe.distributed import Distributed
     from recipe.guard import NonFiniteGuard
 
     device = torch.device("cuda")

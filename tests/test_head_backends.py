@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 
 import opt
+from base.distributed import Distributed
+from base.errors import ConfigError
 from conftest import ROOT, custom_op_knobs, logged, python, tiny_cfg, toy_gpt
 from kernels import library_heads, linear_cross_entropy
 from measure import bench_head
 from model import GPT
 from opt.custom_op import check_custom_op
-from recipe.distributed import Distributed
-from recipe.errors import ConfigError
 from train import train
 
 SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

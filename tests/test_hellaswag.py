@@ -17,11 +17,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from base.distributed import Distributed
 from conftest import CONF, ROOT, TINY, logged, tiny_run
 from data.tokenizer import gpt2_encoding
 from launch.torchrun import torchrun
 from model import GPT, GPTConfig
-from recipe.distributed import Distributed
 from tasks import hellaswag
 from tools import evaluate as evaluate_app
 

@@ -172,8 +172,8 @@ def test_the_hint_for_an_unclosed_list_suggests_an_override_that_composes() -> N
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
+    from base.errors import hydra_message
     from conftest import make_cfg
-    from recipe.errors import hydra_message
 
     with pytest.raises(OverrideParseException) as e:
         OverridesParser.create().parse_overrides(["+opt=[amp,compile"])

@@ -17,10 +17,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from base.distributed import Distributed
 from conftest import CONF
 from data.tokenizer import gpt2_encoding
 from model import GPT, GPTConfig
-from recipe.distributed import Distributed
 from tasks import Task, lambada
 from tools import evaluate as evaluate_app
 

@@ -14,13 +14,13 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 import opt
+from base import distributed
+from base.distributed import Distributed
 from conftest import CONF, logged, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from opt.opt_in_backward import _NormEstimate
 from opt.step import LoopStep
-from recipe import distributed
-from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
 from recipe.schedule import set_learning_rate
 from train import build_optimizer, train, train_step

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import opt
+from base.distributed import Distributed
 from conftest import ROOT, TINY, launch_agents, logged, make_cfg, tiny_cfg, tool_cfg
 from launch.torchrun import torchrun
 from model import GPT, GPTConfig
 from opt.pp import bubble, prune, stage_starts
 from recipe import checkpoint
-from recipe.distributed import Distributed
 from tools import consolidate_checkpoint, evaluate
 from train import build_optimizer, train
 

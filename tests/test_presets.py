@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import opt
+from base.distributed import Distributed
 from conftest import CONF, ROOT, make_cfg, python, tiny_cfg, tiny_run
 from data.prepare import describe
 from data.sources import _text_files
 from measure import ladders
 from opt.amp import resolve_dtype
-from recipe.distributed import Distributed
 
 SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 PRESETS = sorted(p.stem for p in (CONF / "preset").glob("*.yaml"))

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 import opt
+from base import errors
+from base.distributed import Distributed
 from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
-from recipe import checkpoint, errors, rundir
-from recipe.distributed import Distributed
+from recipe import checkpoint, rundir
 from recipe.guard import NonFiniteGuard, NonFiniteSteps
 from train import build_optimizer, train, train_step
 
@@ -256,7 +257,7 @@ def test_sigterm_to_a_launcher_group_checkpoints_and_exits_0(tmp_path) -> None:
 def test_ctrl_c_on_the_printed_torchrun_command_saves_and_exits_0_without_a_traceback(
     tmp_path,
 ) -> None:
-    # The launcher the trainer's `continue:` line prints (recipe/distributed.py's launcher):
+    # The launcher the trainer's `continue:` line prints (base/distributed.py's launcher):
     # stock torchrun would end a Ctrl-C in its SignalException traceback, exit 1.
     launcher = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc_per_node=1",
                 "train.py"]  # fmt: skip

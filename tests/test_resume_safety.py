@@ -256,7 +256,8 @@ def test_a_resume_with_another_tokenizer_or_dtype_names_it() -> None:
     ],
 )
 def test_a_damaged_overrides_file_is_refused_in_one_line_on_resume(tmp_path, content, why) -> None:
-    from recipe import config, errors
+    from base import errors
+    from recipe import config
 
     (tmp_path / "overrides.yaml").write_bytes(content)
     with pytest.raises(errors.Unusable, match=rf"overrides.yaml is damaged \(.*{why}") as refused:
@@ -275,7 +276,7 @@ class _Planted:
 def test_a_pretrained_folder_with_a_foreign_pickle_is_refused_in_one_line(
     hf_weights, tmp_path, monkeypatch, weights
 ) -> None:
-    from recipe import errors
+    from base import errors
 
     folder = tmp_path / "hf"
     folder.mkdir()

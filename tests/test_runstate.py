@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import data
+from base.distributed import Distributed
+from base.errors import ConfigError
 from conftest import tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from recipe import checkpoint
-from recipe.distributed import Distributed
-from recipe.errors import ConfigError
 from recipe.runstate import RunState
 
 CPU = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

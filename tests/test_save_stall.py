@@ -67,7 +67,7 @@ def test_missing_metrics_files_are_refused_in_one_line(tmp_path, capsys) -> None
 def test_malformed_metrics_are_refused_in_one_line(
     tmp_path, capsys, monkeypatch, content, line
 ) -> None:
-    from recipe import errors
+    from base import errors
 
     monkeypatch.setattr("sys.argv", ["save_stall.py"])
 

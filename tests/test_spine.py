@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from base.distributed import Distributed
 from conftest import PERF_ARGS, FakeBatches, FakeClock, logged, tiny_cfg, tiny_run
 from recipe import checkpoint
-from recipe.distributed import Distributed
 from recipe.metrics import LoopMeter, LossWindow
 
 CPU = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -12,11 +12,11 @@ import torch
 from omegaconf import OmegaConf
 
 import opt
+from base.distributed import Distributed
 from conftest import make_cfg, planned
 from model import GPT, GPTConfig
 from opt.opt_in_backward import InBackwardStep, StepInBackward
 from opt.stage import PHASES
-from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "opt"

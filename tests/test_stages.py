@@ -18,11 +18,11 @@ from torch.optim import adam as adam_module  # where AdamW's three implementatio
 
 import data
 import opt
+from base import distributed
+from base.distributed import Distributed
 from conftest import CONF, compiled_against_eager, logged, make_cfg, planned, tiny_cfg
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
-from recipe import distributed
-from recipe.distributed import Distributed
 from recipe.guard import NonFiniteGuard
 from train import train, train_step
 

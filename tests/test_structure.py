@@ -13,8 +13,7 @@ from conftest import ROOT
 
 # Lowest first. A module is in the room of the longest prefix that names it.
 ROOMS: dict[str, int] = {
-    "recipe.errors": 0,  # the error classes and the atomic writer: every room uses them
-    "recipe.files": 0,
+    "base": 0,  # the ground: errors, atomic files, the knobs' rules, processes and devices
     "model": 1,
     "data": 1,
     "kernels": 1,
@@ -33,7 +32,7 @@ ROOMS: dict[str, int] = {
 
 
 def module_name(path: Path) -> str:
-    """`recipe/errors.py` -> recipe.errors; a package's __init__.py is the package."""
+    """`base/errors.py` -> base.errors; a package's __init__.py is the package."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -116,7 +115,7 @@ def python_files() -> list[Path]:
 
 def test_every_import_goes_to_its_own_room_or_a_lower_one() -> None:
     files = python_files()
-    expected = {"train", "sample", "tools.evaluate", "recipe.errors", "launch.torchrun"}
+    expected = {"train", "sample", "tools.evaluate", "base.errors", "launch.torchrun"}
     assert expected <= {module_name(p) for p in files}
     unplaced = [str(p.relative_to(ROOT)) for p in files if room(module_name(p)) is None]
     assert not unplaced, f"files in no room: add their folder to ROOMS: {unplaced}"
@@ -143,11 +142,11 @@ def test_every_room_s_package_is_installed_and_type_checked() -> None:
 @pytest.mark.parametrize(
     "path,source,expected",
     [
-        ("data/x.py", "from recipe import distributed\n", "imports recipe.distributed (room 2)"),
-        ("data/x.py", "from recipe.errors import ConfigError\n", None),
+        ("data/x.py", "from recipe import config\n", "imports recipe.config (room 2)"),
+        ("data/x.py", "from base.errors import ConfigError\n", None),
         ("recipe/x.py", "def f():\n    import opt.amp\n", "imports opt.amp (room 3)"),
         ("recipe/x.py", "from . import generate\n", None),
-        ("recipe/errors.py", "from recipe import config\n", "imports recipe.config (room 2)"),
+        ("base/errors.py", "from data import integrity\n", "imports data.integrity (room 1)"),
         ("tools/x.py", "from train import evaluate\n", "imports train.py"),
         ("opt/x.py", "from measure import ablate\n", "imports measure.ablate (room 6)"),
         ("measure/x.py", "from tools import loading\n", None),

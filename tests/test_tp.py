@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import opt
+from base.distributed import Distributed
 from conftest import (
     TINY,
     assert_holds_the_weights_of,
@@ -23,7 +24,6 @@ from conftest import (
     tiny_run,
     torchrun_output,
 )
-from recipe.distributed import Distributed
 from train import train
 
 # A constant learning rate, so that a run of 4 steps resumed to 8 is the 8-step run.

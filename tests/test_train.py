@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
+from base.distributed import Distributed
 from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run, wandb_summary
 from model import GPT, GPTConfig
 from recipe import checkpoint
-from recipe.distributed import Distributed
 from train import train
 
 TRAIN_METRICS = {

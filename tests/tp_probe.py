@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import opt  # noqa: E402
+from base import distributed  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from recipe import distributed  # noqa: E402
 from recipe.guard import NonFiniteGuard  # noqa: E402
 from train import train_step  # noqa: E402
 

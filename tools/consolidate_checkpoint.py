@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from recipe import checkpoint, errors
+from base import errors
+from recipe import checkpoint
 
 
 def consolidate(run_dir: Path, verify: bool = False) -> Path:
@@ -39,4 +40,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    errors.main(main)  # bad input in one line, exit 2 (recipe/errors.py)
+    errors.main(main)  # bad input in one line, exit 2 (base/errors.py)

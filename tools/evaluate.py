@@ -28,8 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import data
 import opt
+from base import distributed, errors
 from model import GPT
-from recipe import config, distributed, errors
+from recipe import config
 from recipe.evaluation import build_loaders, evaluate
 from tasks import TASKS
 from tools import loading

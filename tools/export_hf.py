@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from base import errors
 from data.tokenizer import VOCAB_SIZE, gpt2_encoding, verify_vocab, vocab_dir
 from model import GPT
 from model.gpt import HF_TRANSPOSED
-from recipe import checkpoint, config, errors, rundir
+from recipe import checkpoint, config, rundir
 from tools import loading
 
 config.register_resolvers()  # --help: conf/export_hf.yaml with its comments

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from base.distributed import log
 from data.tokenizer import EOT, gpt2_encoding
 from model import GPT
-from recipe.distributed import log
 
 SEPARATOR = "---"  # between samples, on the console and in the files
 

@@ -1,6 +1,6 @@
 """What the after-training tools share (tools/sample.py, tools/evaluate.py, tools/export_hf.py):
 the model they read, from a run folder or from Hugging Face weights; the device and precision
-they run in. Bad input raises recipe/errors.py's classes: one line, not a traceback."""
+they run in. Bad input raises base/errors.py's classes: one line, not a traceback."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from base.errors import ConfigError, FileRefused, MissingFile
 from model import GPT
 from recipe import checkpoint, precision
-from recipe.errors import ConfigError, FileRefused, MissingFile
 
 
 def run_dir(run: str | None) -> Path:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from recipe import config, errors
-from recipe.distributed import resolve_device
+from base import errors
+from base.distributed import resolve_device
+from recipe import config
 from recipe.precision import autocast
 from tools import generate, loading
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from recipe.errors import MissingFile, Unusable
+from base.errors import MissingFile, Unusable
 
 
 def refuse_link(path: Path) -> None:

@@ -17,7 +17,7 @@ import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from recipe.errors import ConfigError, did_you_mean
+from base.errors import ConfigError, did_you_mean
 
 
 @dataclasses.dataclass(frozen=True)

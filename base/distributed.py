@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from recipe.errors import ConfigError, Reported, Unusable
+from base.errors import ConfigError, Reported, Unusable
 
 DEVICES = ("auto", "cpu", "cuda")
 # The CPU group's collectives wait this long. It carries host-side waits, such as the other
