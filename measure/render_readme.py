@@ -212,6 +212,20 @@ def scaling(result: dict) -> str:
     return table(header, cells)
 
 
+def sizes(result: dict) -> str:
+    """Each GPT-2 size on one GPU (conf/ablate/ladder/sizes.yaml): the batch it ran at (from its
+    command's overrides: the ladder's batches may have moved since), tokens/s with their spread,
+    MFU and peak memory; the caption names llm.c's per-GPU rate for the size."""
+    cells = []
+    for row in result["steps"]:
+        batches = [o.split("=")[1] for o in row["overrides"] if o.startswith("train.batch_size=")]
+        tokens = _num(row.get("tokens_per_sec"), ",.0f") if row["status"] == "ok" else row["status"]
+        cells.append([caption(row), batches[-1] if batches else MISSING, tokens, _interval(row)])
+        cells[-1] += [str(row.get("repeats", MISSING)), _num(row.get("mfu"), ".1f", "%")]
+        cells[-1].append(_num(row.get("peak_allocated_gib"), ".1f"))
+    return table(["size", "batch", "tokens/s", "interval", "repeats", "MFU", "peak GiB"], cells)
+
+
 def nanogpt(result: dict) -> str:
     return vs_nanogpt.headline(result) + "\n\n" + vs_nanogpt.equal_work_table(result)
 
@@ -240,6 +254,7 @@ KINDS: dict[str, tuple[Callable[[dict], str], bool]] = {  # kind: (render, is a 
     "memory_xl": (memory_xl, True),
     "xl_target": (xl_target, False),
     "scaling": (scaling, True),
+    "sizes": (sizes, True),
     "vs_nanogpt": (nanogpt, True),
     "quality": (quality, False),
     "checkpoint_save": (checkpoint_save, False),

@@ -195,3 +195,19 @@ def test_a_row_whose_step_is_not_in_the_ladder_is_refused(tmp_path, monkeypatch)
     path = _results(tmp_path, "memory_xl.json", steps)
     with pytest.raises(SystemExit, match="step gone is not in conf/ablate/ladder/memory_xl.yaml"):
         render_readme.render(_marked("memory_xl", path), tmp_path)
+
+
+def test_sizes_show_the_batch_each_row_ran_at_and_a_failed_row_its_status(tmp_path) -> None:
+    """The batch comes from the row's own command, not from the ladder's yaml, which may have
+    moved on since the run."""
+    steps: list[dict] = [
+        {"name": "gpt2", "what": "124M", "status": "ok", "tokens_per_sec": 500_000.0,
+         "repeats": 1, "mfu": 45.0, "peak_allocated_gib": 28.5,
+         "overrides": ["model=gpt2", "train.batch_size=64"]},
+        {"name": "gpt2_xl", "what": "1.5B", "status": "oom", "overrides": ["model=gpt2-xl"]},
+    ]  # fmt: skip
+    path = _results(tmp_path, "sizes.json", steps)
+    lines = render_readme.render(_marked("sizes", path), tmp_path).split("\n")
+    gpt2, xl = _caption("sizes", "gpt2"), _caption("sizes", "gpt2_xl")
+    assert f"| {gpt2} | 64 | 500,000 | — | 1 | 45.0% | 28.5 |" in lines
+    assert f"| {xl} | — | oom | — | — | — | — |" in lines
