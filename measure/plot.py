@@ -1,7 +1,7 @@
 """Pictures of your own runs: training and validation loss, tokens/s and memory against steps.
 
-    python scripts/plot.py outputs/2026-11-24/12-00-00-1234          # one run
-    python scripts/plot.py multirun/2026-11-24/12-00-00-1234         # a sweep: its jobs compared
+    python scripts/plot.py outputs/<date>/<time>-<pid>               # one run
+    python scripts/plot.py multirun/<date>/<time>-<pid>              # a sweep: its jobs compared
     python scripts/plot.py runA runB --out compare.png                # several runs
 
 A run folder holds `metrics.jsonl`; a sweep folder (`python train.py -m ...`) holds one numbered
