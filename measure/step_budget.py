@@ -194,12 +194,18 @@ def roofline_ms(a: argparse.Namespace) -> dict[str, float]:
 def step_spans(trace: dict, category: str = "gpu_user_annotation") -> list[tuple[float, float]]:
     """The recorded steps (the profiler's `ProfilerStep#N` ranges) on the GPU's timeline, as the
     GPU executed them, or with `category="user_annotation"` on the CPU's; empty for a trace that
-    has none."""
-    return [
-        (e["ts"], e["ts"] + e["dur"])
-        for e in trace["traceEvents"]
-        if e.get("cat") == category and e.get("name", "").startswith("ProfilerStep#")
-    ]
+    has none. A step whose kernels ran on several streams (a side stream copying the next batch)
+    is marked once per stream: its span is their union, one per step."""
+    spans: dict[str, tuple[float, float]] = {}
+    for e in trace["traceEvents"]:
+        name = e.get("name", "")
+        if e.get("cat") != category or not name.startswith("ProfilerStep#"):
+            continue
+        start, end = e["ts"], e["ts"] + e["dur"]
+        if name in spans:
+            start, end = min(start, spans[name][0]), max(end, spans[name][1])
+        spans[name] = (start, end)
+    return sorted(spans.values())
 
 
 def budget(trace: dict, steps: int) -> dict[str, Any]:

@@ -261,6 +261,16 @@ def test_a_parallel_step_splits_into_compute_exposed_comm_pipeline_wait_and_idle
     assert step_budget.parallel_breakdown(cpu_only) is None  # a CPU run shows no overlap
 
 
+def test_a_step_marked_on_two_streams_counts_once() -> None:
+    """With a side stream copying the next batch, the profiler marks each step on both streams
+    (one mark a few us long): the parts are still per step, not per mark."""
+    trace = parallel_trace((30, 25), (72, 18))
+    trace["traceEvents"].append(_event("ProfilerStep#3", 95, 0.01, cat="gpu_user_annotation"))
+    parts = step_budget.parallel_breakdown(trace)
+    assert parts is not None and parts["step"] == pytest.approx(0.1)
+    assert parts["compute"] == pytest.approx(0.06)
+
+
 def test_every_ranks_trace_gives_the_rows_breakdown(tmp_path) -> None:
     """A row's breakdown is the mean over the traces of its ranks (trace.json, trace-rankN.json),
     each rank's kept too: a rank that waits for the others is seen."""
