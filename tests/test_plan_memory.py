@@ -14,9 +14,11 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import ROOT, python
 from measure import memory_model, plan_memory
+from recipe import metrics
 
 ROWS = [
     (gpu, ladder, row["name"])
@@ -186,3 +188,20 @@ def test_the_modelled_stages_are_stages() -> None:
     import opt
 
     assert not memory_model.MODELLED - set(opt.ORDER)
+
+
+def test_the_recorded_peak_is_the_largest_over_the_ranks(monkeypatch) -> None:
+    """A pipeline's ranks peak apart: the run's mem/peak_allocated_gib (what a ladder row
+    records and --validate compares) is the largest of them, not rank 0's."""
+
+    class TwoRanks:
+        device = torch.device("cuda", 0)
+
+        def gather(self, mine):
+            return [mine, (3 * 2**30, 4 * 2**30)]  # the other rank's: more allocated
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 5 * 2**30)
+    assert metrics.memory_gib(TwoRanks()) == {  # type: ignore[arg-type]
+        "mem/peak_allocated_gib": 3.0, "mem/peak_reserved_gib": 5.0
+    }  # fmt: skip
