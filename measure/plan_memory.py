@@ -10,6 +10,7 @@ no GPU, no weights, seconds on a CPU.
 The overrides are train.py's (composed by Hydra exactly as train.py composes them; `nproc=N`
 plans one of N torchrun processes). The model is built on the meta device (shapes only) and
 the stages are planned by `opt.plan`, so a bad override is refused as train.py refuses it.
+Under +opt=pp the ranks differ: the prediction is the worst rank's, and says which.
 
 The model of a step's memory (its moments, categories and what it leaves out) is
 measure/memory_model.py.
@@ -123,7 +124,7 @@ def comparison(ladders: tuple[tuple[str, str], ...]) -> tuple[list[str], int]:
             flag = " **off**" if abs(error) > TOLERANCE else ""
             lines.append(
                 f"| {gpu} | {ladder} | `{row['name']}` | {p.peak_gib:.2f} | {measured:.2f} | "
-                f"{error:+.1%}{flag} | {p.when} | {p.sets_peak} |"
+                f"{error:+.1%}{flag} | {p.when}{p.on_rank} | {p.sets_peak} |"
             )
     return lines, off
 
@@ -188,14 +189,21 @@ def fit(budget_gib: float, model: str | None = None) -> list[dict]:
     return sorted(found, key=lambda r: (FIT_LADDERS.index(r["ladder"]), -r["tokens_per_sec"]))
 
 
-def describe(p: memory_model.Prediction, budget: float | None) -> str:
-    """The human-readable prediction: categories at the peak, the verdict against a budget."""
+def describe(ranks: list[memory_model.Prediction], budget: float | None) -> str:
+    """The human-readable prediction of the worst of `ranks` (a pipeline's, or the one rank
+    standing for all): categories at the peak, the other ranks' peaks, the verdict against a
+    budget."""
+    p = max(ranks, key=lambda r: r.peak_gib)
     lines = [
-        f"peak {p.peak_gib:.2f} GiB allocated, in {p.phase} ({p.moment}), set by {p.sets_peak}"
+        f"peak {p.peak_gib:.2f} GiB allocated, in {p.phase} ({p.moment}){p.on_rank}, set by "
+        f"{p.sets_peak}"
     ]
     lines += [
         f"  {name:16s} {value / memory_model.GIB:7.2f} GiB" for name, value in p.categories.items()
     ]
+    if len(ranks) > 1:
+        peaks = ", ".join(f"{r.rank}: {r.peak_gib:.2f}" for r in ranks)
+        lines.append(f"each pipeline rank's peak (GiB): {peaks}")
     if budget is not None:
         need = p.peak_gib * RESERVED_OVER_ALLOCATED
         verdict = "fits" if need <= budget else "does not fit"
@@ -231,8 +239,9 @@ def main(argv: list[str]) -> int:
                   f"{r['ladder']}/{r['name']}\n    {r['command']}")  # fmt: skip
         return 0
     cfg, nproc, budget = compose(overrides)
-    p = memory_model.predict(cfg, nproc)
-    print(json.dumps(p.as_dict()) if "--json" in flags else describe(p, budget))
+    ranks = memory_model.predict_ranks(cfg, nproc)
+    worst = max(ranks, key=lambda r: r.peak_gib)
+    print(json.dumps(worst.as_dict()) if "--json" in flags else describe(ranks, budget))
     return 0
 
 
