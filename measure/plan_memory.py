@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -42,6 +43,9 @@ VALIDATED = (  # (gpu folder, ladder): every ok row of these is checked by --val
     ("nvidia-h100-80gb-hbm3", "memory_xl"),
     ("nvidia-h200", "memory"),
 )
+# The ladder whose rows split the model (+opt=tp, +opt=pp): --validate checks each such row of
+# every GPU's docs/results/<gpu>/scaling*.json as it lands.
+LAYOUT_LADDER = "scaling"
 # Shown by --validate for information, not validated (see the gaps memory_plan.md names)
 INFORMATIVE = (
     ("nvidia-h100-80gb-hbm3", "stages"),
@@ -84,6 +88,11 @@ def parse_size(text: str) -> float:
 # ---- the command line: one prediction, --validate, --fit
 
 
+def processes(row: dict) -> int:
+    """A ladder row's processes: its GPUs, over all its machines."""
+    return row.get("gpus", row.get("nproc", 1))
+
+
 def row_overrides(row: dict) -> list[str]:
     """The train.py overrides of a measured ladder row (its command), less the run's folder,
     wandb's names and profiling, with `nproc=N` for a multi-process row. A key a cumulative
@@ -93,7 +102,7 @@ def row_overrides(row: dict) -> list[str]:
     kept = [a for a in args if not a.startswith(("hydra.", "wandb.", "+prof"))]
     keys = [a.split("=", 1)[0] for a in kept]
     kept = [a for i, a in enumerate(kept) if keys[i] not in keys[i + 1 :]]
-    return kept + ([f"nproc={row['nproc']}"] if row.get("nproc", 1) > 1 else [])
+    return kept + ([f"nproc={processes(row)}"] if processes(row) > 1 else [])
 
 
 def measured_rows(gpu: str, ladder: str) -> list[dict]:
@@ -102,38 +111,62 @@ def measured_rows(gpu: str, ladder: str) -> list[dict]:
     return [r for r in json.loads(path.read_text())["steps"] if r.get("status") == "ok"]
 
 
+def ladder_rows(ladders: tuple[tuple[str, str], ...]) -> list[tuple[str, str, dict]]:
+    """(gpu, ladder, row) for every ok row of `ladders`."""
+    return [(gpu, ladder, row) for gpu, ladder in ladders for row in measured_rows(gpu, ladder)]
+
+
+def layout_rows() -> list[tuple[str, str, dict]]:
+    """(gpu, ladder, row) for every ok row of each GPU's LAYOUT_LADDER results files."""
+    paths = sorted(RESULTS.glob(f"*/{LAYOUT_LADDER}*.json"))
+    return [
+        (p.parent.name, p.stem, row) for p in paths for row in measured_rows(p.parent.name, p.stem)
+    ]
+
+
+def split_rows() -> list[tuple[str, str, dict]]:
+    """The layout rows that split the model (+opt=tp, +opt=pp) and measured a peak: the largest
+    over their ranks (the trainer's summary)."""
+    return [
+        (gpu, ladder, row)
+        for gpu, ladder, row in layout_rows()
+        if {"tp", "pp"} & set(row.get("stages", [])) and row.get("peak_allocated_gib")
+    ]
+
+
 def predict_overrides(overrides: list[str]) -> memory_model.Prediction:
     cfg, nproc, _ = compose(overrides)
     return memory_model.predict(cfg, nproc)
 
 
-def comparison(ladders: tuple[tuple[str, str], ...]) -> tuple[list[str], int]:
-    """Table rows of predicted against measured peaks for every ok row of `ladders`, and how
+def comparison(rows: Iterable[tuple[str, str, dict]]) -> tuple[list[str], int]:
+    """Table rows of predicted against measured peaks for `rows` (gpu, ladder, row), and how
     many are off by more than TOLERANCE."""
     lines = [
         "| GPU | ladder | row | predicted GiB | measured GiB | error | peak at | sets the peak |",
         "|---|---|---|---|---|---|---|---|",
     ]
     off = 0
-    for gpu, ladder in ladders:
-        for row in measured_rows(gpu, ladder):
-            p = predict_overrides(row_overrides(row))
-            measured = row["peak_allocated_gib"]
-            error = p.peak_gib / measured - 1
-            off += abs(error) > TOLERANCE
-            flag = " **off**" if abs(error) > TOLERANCE else ""
-            lines.append(
-                f"| {gpu} | {ladder} | `{row['name']}` | {p.peak_gib:.2f} | {measured:.2f} | "
-                f"{error:+.1%}{flag} | {p.when}{p.on_rank} | {p.sets_peak} |"
-            )
+    for gpu, ladder, row in rows:
+        p = predict_overrides(row_overrides(row))
+        measured = row["peak_allocated_gib"]
+        error = p.peak_gib / measured - 1
+        off += abs(error) > TOLERANCE
+        flag = " **off**" if abs(error) > TOLERANCE else ""
+        lines.append(
+            f"| {gpu} | {ladder} | `{row['name']}` | {p.peak_gib:.2f} | {measured:.2f} | "
+            f"{error:+.1%}{flag} | {p.when}{p.on_rank} | {p.sets_peak} |"
+        )
     return lines, off
 
 
 def validate() -> tuple[str, int]:
-    """memory_plan.md: the validated rows' table, then the other ladders' for information, and
-    how many validated rows are off by more than TOLERANCE."""
-    validated, off = comparison(VALIDATED)
-    informative, _ = comparison(INFORMATIVE)
+    """memory_plan.md: the validated rows' table, the model-parallel rows', then the other
+    ladders' for information, and how many validated rows are off by more than TOLERANCE."""
+    validated, off = comparison(ladder_rows(VALIDATED))
+    split = split_rows()
+    parallel, split_off = comparison(split)
+    informative, _ = comparison(ladder_rows(INFORMATIVE))
     lines = [
         "# The memory planner against the measured peaks",
         "",
@@ -148,8 +181,24 @@ def validate() -> tuple[str, int]:
         "",
         "Peak at: the phase and moment of the step whose sum is largest (forward: the loss just "
         "computed; loss_backward: the loss's gradients; backward: the last block's; "
-        "backward_end: the first block's, every gradient present; step: the optimizer update). "
-        "Sets the peak: the largest category there.",
+        "backward_end: the first block's, every gradient present; step: the optimizer update), "
+        "and for a pipeline the rank whose peak it is. Sets the peak: the largest category there.",
+        "",
+        "## Model-parallel layouts (tp and pp)",
+        "",
+        f"Every ok row of the {LAYOUT_LADDER} ladder that splits the model (+opt=tp, +opt=pp), "
+        f"from each GPU's `{LAYOUT_LADDER}*.json` as it lands, validated like the rows above: "
+        "the prediction is the worst rank's, the measured peak the largest over the ranks. "
+        "These rows run compiled, planned as eager (an upper bound).",
+        "",
+        *(
+            parallel
+            if split
+            else [
+                f"None measured yet: conf/ablate/ladder/{LAYOUT_LADDER}.yaml's model-parallel "
+                "rows measure them."
+            ]
+        ),
         "",
         "## Not validated: the stages and speed ladders (GPT-2 124M, T=1024)",
         "",
@@ -162,7 +211,7 @@ def validate() -> tuple[str, int]:
         "",
         *informative,
     ]
-    return "\n".join(lines) + "\n", off
+    return "\n".join(lines) + "\n", off + split_off
 
 
 def fit(budget_gib: float, model: str | None = None) -> list[dict]:

@@ -1,5 +1,6 @@
 """scripts/plan_memory.py (measure/plan_memory.py, its model measure/memory_model.py): every
-measured ok row of the memory ladders predicted within 10% from shapes and stages alone, the
+measured ok row of the memory ladders (and of the scaling ladder's tp and pp rows, as they land)
+predicted within 10% from shapes and stages alone, the
 published table current, one JSON object per prediction, --fit's candidates fastest first with
 commands that plan the same, a bad override refused in one line, a stage the model does not
 cover refused, and a prediction in seconds on a CPU. Under +opt=tp and +opt=pp each rank's
@@ -16,6 +17,7 @@ import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,8 +35,10 @@ from recipe import metrics
 
 ROWS = [
     (gpu, ladder, row["name"])
-    for gpu, ladder in plan_memory.VALIDATED
-    for row in plan_memory.measured_rows(gpu, ladder)
+    for gpu, ladder, row in [
+        *plan_memory.ladder_rows(plan_memory.VALIDATED),
+        *plan_memory.split_rows(),
+    ]
 ]
 XL_LOWBIT = [
     "model=gpt2-xl", "train.batch_size=16", "+opt=[amp,ac,custom_op,lowbit,opt_in_backward]",
@@ -342,6 +346,57 @@ def test_each_ranks_weights_are_the_parameters_the_split_leaves_it(tp_pair, pipe
             prune(model, blocks, first=rank == 0, last=rank == 1)
         assert _gib(prediction, "step", "weights") == pytest.approx(_local_bytes(model)), rank
     assert len(planned) == (2 if pipeline else 1)
+
+
+def _results(root: Path, rows: list[dict]) -> None:
+    path = root / "gpu" / "scaling.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"environment": {}, "steps": rows}))
+
+
+def _scaling_row(name: str, stages: list[str], overrides: list[str], gpus: int, **numbers) -> dict:
+    """A row as the scaling ladder records it: its command (torchrun's) and numbers."""
+    command = shlex.join([
+        "python", "-m", "torch.distributed.run", f"--nproc_per_node={gpus}", "--standalone",
+        "train.py", "data=shakespeare", *overrides, f"+opt=[{','.join(stages)}]",
+        f"hydra.run.dir=outputs/{name}",
+    ])  # fmt: skip
+    return {"name": name, "status": "ok", "stages": stages, "gpus": gpus, "nproc": gpus,
+            "nnodes": 1, "command": command, **numbers}  # fmt: skip
+
+
+def test_validate_checks_the_model_parallel_rows_of_the_scaling_ladder(tmp_path, monkeypatch):
+    """Every tp or pp row of a GPU's scaling results is validated once it exists: its worst
+    rank's prediction against the measured peak (the largest over the ranks); other rows, and
+    failed ones, are not."""
+    pipeline = ["model=gpt2-xl", "train.batch_size=16", "opt.pp.microbatches=8"]
+    predicted = _ranks(*pipeline, "+opt=[amp,pp]", "nproc=2")
+    peak = max(p.peak_gib for p in predicted)
+    _results(tmp_path, [
+        _scaling_row("xl_pp2", ["amp", "pp"], pipeline, 2, peak_allocated_gib=peak * 1.05),
+        _scaling_row("xl_pp2_off", ["amp", "pp"], pipeline, 2, peak_allocated_gib=peak * 1.5),
+        _scaling_row("ddp", ["amp"], ["model=gpt2"], 2, peak_allocated_gib=1.0),
+        {**_scaling_row("xl_pp4", ["amp", "pp"], pipeline, 2), "status": "oom"},
+    ])  # fmt: skip
+    monkeypatch.setattr(plan_memory, "RESULTS", tmp_path)
+    monkeypatch.setattr(plan_memory, "VALIDATED", ())
+    monkeypatch.setattr(plan_memory, "INFORMATIVE", ())
+    assert [row["name"] for *_, row in plan_memory.split_rows()] == ["xl_pp2", "xl_pp2_off"]
+    text, off = plan_memory.validate()
+    assert off == 1
+    section = text.split("## Model-parallel layouts")[1].split("## Not validated")[0]
+    rank = max(predicted, key=lambda p: p.peak_gib).rank
+    assert f"| gpu | scaling | `xl_pp2` | {peak:.2f} | {peak * 1.05:.2f} | -4.8% |" in section
+    assert f", pipeline rank {rank} of 2 |" in section
+    assert "`xl_pp2_off`" in section and "**off**" in section and "`ddp`" not in text
+
+
+def test_validate_says_when_no_model_parallel_row_is_measured_yet(tmp_path, monkeypatch):
+    _results(tmp_path, [_scaling_row("ddp", ["amp"], ["model=gpt2"], 2, peak_allocated_gib=1.0)])
+    for name, value in [("RESULTS", tmp_path), ("VALIDATED", ()), ("INFORMATIVE", ())]:
+        monkeypatch.setattr(plan_memory, name, value)
+    text, off = plan_memory.validate()
+    assert off == 0 and "None measured yet" in text
 
 
 def test_the_recorded_peak_is_the_largest_over_the_ranks(monkeypatch) -> None:
