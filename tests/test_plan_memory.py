@@ -1,11 +1,11 @@
 """scripts/plan_memory.py (measure/plan_memory.py, its model measure/memory_model.py): every
 measured ok row of the memory ladders (and of the scaling ladder's tp and pp rows, as they land)
-predicted within 10% from shapes and stages alone, the
-published table current, one JSON object per prediction, --fit's candidates fastest first with
-commands that plan the same, a bad override refused in one line, a stage the model does not
-cover refused, and a prediction in seconds on a CPU. Under +opt=tp and +opt=pp each rank's
-part: its weights counted against the parameters opt/tp.py's split and opt/pp.py's prune leave
-a rank, its activations per schedule."""
+predicted within 10% from shapes and stages alone, the published table current, one JSON object
+per prediction, --fit's candidates fastest first with commands that plan the same, a bad
+override refused in one line, a stage the model does not cover refused, and a prediction in
+seconds on a CPU. Under +opt=tp and +opt=pp each rank's part: its weights counted against the
+parameters opt/tp.py's split and opt/pp.py's prune leave a rank, its activations per schedule;
+--fit gpus=N's layouts in the order to try them."""
 
 from __future__ import annotations
 
@@ -152,6 +152,7 @@ def test_budgets_read_gib_and_the_gb_cards_are_sold_in() -> None:
         (["--jsn"], "unknown flag"),
         # What the stages refuse, the planner refuses: GPT-2 XL's 25 heads over 2 tp ranks.
         (["model=gpt2-xl", "+opt=[tp,amp]", "nproc=2"], "model.n_head=25 does not split"),
+        (["gpus=0", "--fit", "budget=80GiB"], "gpus=0"),
     ],
 )
 def test_a_bad_override_is_refused_in_one_line(args: list[str], expected: str, monkeypatch) -> None:
@@ -414,3 +415,55 @@ def test_the_recorded_peak_is_the_largest_over_the_ranks(monkeypatch) -> None:
     assert metrics.memory_gib(TwoRanks()) == {  # type: ignore[arg-type]
         "mem/peak_allocated_gib": 3.0, "mem/peak_reserved_gib": 5.0
     }  # fmt: skip
+
+
+# ---- --fit gpus=N: the layouts of N GPUs
+
+
+def test_fit_gpus_prefers_no_model_split_then_a_pipeline_then_tp(tmp_path, monkeypatch) -> None:
+    """Nothing measured: of the layouts that fit, data parallelism first, then a pipeline,
+    then tp, each without checkpointing before with it; those that do not fit after; each
+    command plans the peak it was listed with, at the same global batch."""
+    monkeypatch.setattr(plan_memory, "RESULTS", tmp_path)  # no measured rows
+    found = plan_memory.fit_layouts(["model=gpt2-medium", "train.batch_size=16", "+opt=[amp]"],
+                                    gpus=2, budget_gib=16)  # fmt: skip
+    fitting = [r["layout"] for r in found if r.get("fits")]
+    assert fitting == [
+        "FSDP",
+        "DDP + ac",
+        "FSDP + ac",
+        "pp=2, 8 micro-batches (1f1b)",
+        "pp=2, 8 micro-batches (1f1b) + ac",
+        "tp=2",
+        "tp=2 + ac",
+    ], fitting
+    assert [r["layout"] for r in found if r.get("fits") is False] == ["DDP"]
+    first = shlex.split(found[0]["command"])
+    assert first[:6] == ["python", "-m", "launch.torchrun", "--standalone", "--nproc_per_node=2",
+                         "train.py"]  # fmt: skip
+    assert "+opt=[amp,fsdp]" in first and "train.batch_size=8" in first  # 16 over 2 replicas
+    pipeline = next(r for r in found if r["layout"].startswith("pp=2,"))
+    args = shlex.split(pipeline["command"])[6:]
+    assert "train.batch_size=16" in args and "opt.pp.microbatches=8" in args
+    assert plan_memory.predict_overrides([*args, "nproc=2"]).peak_gib == pytest.approx(
+        pipeline["peak_gib"]
+    )
+
+
+def test_fit_gpus_ranks_by_measured_tokens_per_second_where_measured(tmp_path, monkeypatch):
+    """A layout measured for that model and GPU count outranks the preferred order: the
+    faster measured first, then the unmeasured; a run over two machines is not a layout of
+    one machine's GPUs."""
+    medium = ["model=gpt2-medium", "train.batch_size=16"]
+    _results(tmp_path, [
+        _scaling_row("pp2", ["amp", "pp"], [*medium, "opt.pp.microbatches=8"], 2,
+                     tokens_per_sec=2000.0),
+        _scaling_row("fsdp", ["amp", "fsdp"], ["model=gpt2-medium", "train.batch_size=8"], 2,
+                     tokens_per_sec=1000.0),
+        {**_scaling_row("two_nodes", ["amp"], medium, 2, tokens_per_sec=9000.0), "nnodes": 2},
+    ])  # fmt: skip
+    monkeypatch.setattr(plan_memory, "RESULTS", tmp_path)
+    found = plan_memory.fit_layouts([*medium, "+opt=[amp]"], gpus=2, budget_gib=80)
+    assert [r["layout"] for r in found[:3]] == ["pp=2, 8 micro-batches (1f1b)", "FSDP", "DDP"]
+    assert found[0]["tokens_per_sec"] == 2000.0 and found[0]["row"] == "gpu scaling/pp2"
+    assert found[2]["tokens_per_sec"] is None
