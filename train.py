@@ -217,7 +217,7 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     summary: dict[str, Any] = {"step": step, "stages": plan.stages, "completed": step == max_steps,
                                "stopped_by": stop.signal,  # SIGTERM/SIGINT: a sweep then stops
                                "attention_kernel": plan.attention_kernel,  # opt/attention.py
-                               **meter.summary(), **memory_gib(dist.device)}  # fmt: skip
+                               **meter.summary(), **memory_gib(dist)}  # fmt: skip
     # Every rank samples (FSDP needs them all); not under pp: sample.py reads its checkpoint.
     if step == max_steps and cfg.sample.num_samples and not dist.parallel.pp_enabled:
         final_samples(model, cfg, plan, dist, run_dir, step)
@@ -342,7 +342,7 @@ def train_metrics(
         "train/grad_norm": grad_norm.item(),
         **guard.check(step, scale),  # stops the run after too many bad steps
         **perf,
-        **memory_gib(dist.device),
+        **memory_gib(dist),
     }
 
 

@@ -11,7 +11,9 @@ and the results file it comes from:
     <!-- /results:speed -->
 
 Kinds: `speed` (the speed ladder table), `memory` (the memory ladder table), `memory_range` (its
-first and last peak), `memory_xl` (GPT-2 XL's table), `xl_target` (its target row),
+first and last peak), `memory_xl` (GPT-2 XL's table), `xl_target` (its target row), `scaling`
+(the scaling ladder's rows), `sizes` (each GPT-2 size on one GPU), `layouts` (the fastest
+measured layout per model and GPU count, from the scaling ladder's rows),
 `vs_nanogpt` (the headline against nanoGPT's bench.py and the ratios at equal batch and biases),
 `quality` (a quality report's verdict: the difference, the test, the seeds), `checkpoint_save`
 (how long an async save held the loop against a sync one).
@@ -27,13 +29,17 @@ import argparse
 import difflib
 import json
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from measure import ladder_table, ladders, save_stall, stats, vs_nanogpt
 
 ROOT = Path(__file__).resolve().parents[1]
+OPT_CONF = ROOT / "conf" / "opt"  # each stage's knobs and their defaults
 MARKER = re.compile(
     r"<!-- results:(?P<kind>\w+) (?P<path>\S+) -->(?P<body>.*?)<!-- /results:(?P=kind) -->",
     re.DOTALL,
@@ -226,6 +232,68 @@ def sizes(result: dict) -> str:
     return table(["size", "batch", "tokens/s", "interval", "repeats", "MFU", "peak GiB"], cells)
 
 
+def _row_args(row: dict) -> list[str]:
+    """The train.py overrides of a row's command (its first machine's, where several)."""
+    args = shlex.split(row["command"].split(" & ")[0])
+    return args[args.index("train.py") + 1 :]
+
+
+def _knob(args: list[str], stage: str, knob: str) -> str:
+    """A stage's knob as the row's command set it, else its conf/opt/<stage>.yaml default."""
+    given = [a.split("=", 1)[1] for a in args if a.startswith(f"opt.{stage}.{knob}=")]
+    return given[-1] if given else str(OmegaConf.load(OPT_CONF / f"{stage}.yaml")[stage][knob])
+
+
+def layout_name(row: dict) -> str:
+    """How a row spreads its step over its GPUs: `1 GPU`, `DDP 2`, `FSDP 4`, `pp=2`,
+    `tp=2 x FSDP 2`, `pp=2 x tp=2`, ... (`+ ac` with activation checkpointing)."""
+    args, stages, gpus = _row_args(row), set(row["stages"]), row.get("gpus", 1)
+    pp = int(_knob(args, "pp", "degree")) if "pp" in stages else 1
+    tp = int(_knob(args, "tp", "degree")) if "tp" in stages else 1
+    parts = [f"pp={pp}"] if pp > 1 else []
+    if pp > 1 and _knob(args, "pp", "schedule") != "1f1b":
+        parts[-1] += f" ({_knob(args, 'pp', 'schedule')})"
+    parts += [f"tp={tp}"] if tp > 1 else []
+    replicas = gpus // (pp * tp)
+    if replicas > 1:
+        parts.append(f"{'FSDP' if 'fsdp' in stages else 'DDP'} {replicas}")
+    return " x ".join(parts or ["1 GPU"]) + (" + ac" if "ac" in stages else "")
+
+
+def layouts(result: dict) -> str:
+    """Which layout for my run: for each model and GPU count of one machine with measured rows,
+    the fastest measured layout (its step, tokens/s and peak), then the other layouts measured
+    there, each by its fastest row; a model or GPU count without a measured row is not shown."""
+    fastest: dict[tuple[str, int], dict[str, dict]] = {}  # (model, GPUs) -> layout -> row
+    for row in result["steps"]:
+        if row["status"] != "ok" or not row.get("tokens_per_sec") or row.get("nnodes", 1) > 1:
+            continue
+        model = [a.split("=", 1)[1] for a in _row_args(row) if a.startswith("model=")][-1]
+        measured = fastest.setdefault((model, row.get("gpus", 1)), {})
+        name = layout_name(row)
+        if row["tokens_per_sec"] > measured.get(name, {}).get("tokens_per_sec", 0):
+            measured[name] = row
+    models = list(dict.fromkeys(model for model, _ in fastest))  # as the results list them
+    cells = []
+    for model, gpus in sorted(fastest, key=lambda key: (models.index(key[0]), key[1])):
+        ranked = sorted(fastest[model, gpus].items(), key=lambda kv: -kv[1]["tokens_per_sec"])
+        (name, row), others = ranked[0], ranked[1:]
+        also = "; ".join(
+            f"{n} (`{r['name']}`): {r['tokens_per_sec']:,.0f}, "
+            f"{_num(r.get('peak_allocated_gib'), '.2f', ' GiB')}"
+            for n, r in others
+        )
+        cells.append([f"`{model}`", str(gpus), f"{name} (`{row['name']}`)"])
+        cells[-1] += [
+            _num(row["tokens_per_sec"], ",.0f"),
+            _num(row.get("peak_allocated_gib"), ".2f"),
+        ]
+        cells[-1].append(also or MISSING)
+    header = ["model", "GPUs", "fastest measured layout", "tokens/s", "peak GiB",
+              "other layouts measured (tokens/s, peak)"]  # fmt: skip
+    return table(header, cells)
+
+
 def nanogpt(result: dict) -> str:
     return vs_nanogpt.headline(result) + "\n\n" + vs_nanogpt.equal_work_table(result)
 
@@ -255,6 +323,7 @@ KINDS: dict[str, tuple[Callable[[dict], str], bool]] = {  # kind: (render, is a 
     "xl_target": (xl_target, False),
     "scaling": (scaling, True),
     "sizes": (sizes, True),
+    "layouts": (layouts, True),
     "vs_nanogpt": (nanogpt, True),
     "quality": (quality, False),
     "checkpoint_save": (checkpoint_save, False),

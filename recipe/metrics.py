@@ -98,14 +98,16 @@ def reset_memory_peaks(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def memory_gib(device: torch.device) -> dict[str, float | None]:
-    """Peak allocated and reserved memory of the caching allocator since the run's start."""
+def memory_gib(dist: Distributed) -> dict[str, float | None]:
+    """Peak allocated and reserved memory of the caching allocator since the run's start, the
+    largest over the ranks (a pipeline's differ: its first stage keeps the most micro-batches,
+    its last the head). A collective on a GPU: every rank calls it."""
+    device = dist.device
     if device.type != "cuda":
         return {"mem/peak_allocated_gib": None, "mem/peak_reserved_gib": None}
-    return {
-        "mem/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB,
-        "mem/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB,
-    }
+    mine = (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+    allocated, reserved = (max(peaks) for peaks in zip(*dist.gather(mine), strict=True))
+    return {"mem/peak_allocated_gib": allocated / GiB, "mem/peak_reserved_gib": reserved / GiB}
 
 
 def throughput(

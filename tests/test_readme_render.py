@@ -211,3 +211,45 @@ def test_sizes_show_the_batch_each_row_ran_at_and_a_failed_row_its_status(tmp_pa
     gpt2, xl = _caption("sizes", "gpt2"), _caption("sizes", "gpt2_xl")
     assert f"| {gpt2} | 64 | 500,000 | — | 1 | 45.0% | 28.5 |" in lines
     assert f"| {xl} | — | oom | — | — | — | — |" in lines
+
+
+def _layout_row(name: str, stages: list[str], overrides: list[str], gpus: int, tokens: float,
+                peak: float, **more) -> dict:  # fmt: skip
+    """A scaling ladder row: its command (the workload's model=gpt2, then the step's) and
+    numbers."""
+    command = " ".join(["python train.py model=gpt2", *overrides, f"+opt=[{','.join(stages)}]"])
+    numbers = {"tokens_per_sec": tokens, "peak_allocated_gib": peak}
+    return {"name": name, "status": "ok", "stages": stages, "gpus": gpus, "nnodes": 1,
+            "command": command, **numbers, **more}  # fmt: skip
+
+
+def test_layouts_show_the_fastest_measured_layout_per_model_and_gpu_count(tmp_path) -> None:
+    """One row per model and GPU count of one machine that was measured: its fastest layout
+    (knob variants of a layout compete as that layout), then the others measured there; runs
+    over several machines and failed rows are left out, nothing is invented."""
+    xl, interleaved = ["model=gpt2-xl"], ["opt.pp.degree=4", "opt.pp.schedule=interleaved_1f1b"]
+    steps = [
+        _layout_row("one_gpu", ["amp"], [], 1, 100.0, 15.0),
+        _layout_row("ddp", ["amp"], [], 2, 190.0, 15.5),
+        _layout_row("ddp_bucket_25", ["amp", "ddp"], ["opt.ddp.bucket_cap_mb=25"], 2, 195.0, 15.6),
+        _layout_row("fsdp", ["amp", "fsdp"], [], 2, 150.0, 14.0),
+        _layout_row("two_nodes", ["amp"], [], 2, 999.0, 15.5, nnodes=2),
+        _layout_row("xl_one_gpu", ["amp", "ac"], xl, 1, 20.0, 40.0),
+        _layout_row("xl_pp2", ["amp", "pp"], [*xl, "opt.pp.microbatches=8"], 2, 30.0, 25.0),
+        _layout_row("xl_pp4_interleaved", ["amp", "pp"], [*xl, *interleaved], 4, 70.0, 12.0),
+        _layout_row("b4_tp2_fsdp2", ["amp", "tp", "fsdp"], ["model=gpt2-4b"], 4, 50.0, 60.0),
+        _layout_row(
+            "b4_pp2_tp2", ["amp", "pp", "tp"], ["model=gpt2-4b"], 4, 0.0, 0.0, status="oom"
+        ),  # fmt: skip
+    ]
+    path = _results(tmp_path, "scaling.json", steps)
+    lines = render_readme.render(_marked("layouts", path), tmp_path).split("\n")
+    table = [line for line in lines if line.startswith("| `")]
+    assert table == [
+        "| `gpt2` | 1 | 1 GPU (`one_gpu`) | 100 | 15.00 | — |",
+        "| `gpt2` | 2 | DDP 2 (`ddp_bucket_25`) | 195 | 15.60 | FSDP 2 (`fsdp`): 150, 14.00 GiB |",
+        "| `gpt2-xl` | 1 | 1 GPU + ac (`xl_one_gpu`) | 20 | 40.00 | — |",
+        "| `gpt2-xl` | 2 | pp=2 (`xl_pp2`) | 30 | 25.00 | — |",
+        "| `gpt2-xl` | 4 | pp=4 (interleaved_1f1b) (`xl_pp4_interleaved`) | 70 | 12.00 | — |",
+        "| `gpt2-4b` | 4 | tp=2 x FSDP 2 (`b4_tp2_fsdp2`) | 50 | 60.00 | — |",
+    ], table
