@@ -50,6 +50,7 @@ from omegaconf import DictConfig
 from base import knobs
 from base.distributed import Distributed, ParallelDims
 from base.errors import ConfigError
+from checkpointing import StateLayout
 from model import GPT
 from opt import (
     ac,
@@ -75,7 +76,6 @@ from opt import (
 from opt.accum import gradient_sync
 from opt.stage import PLANNED, Context, Phase, Plan, Stage, Step
 from opt.step import LoopStep
-from recipe.checkpoint import StateLayout
 from recipe.guard import NonFiniteGuard
 
 STAGES: tuple[Stage, ...] = (

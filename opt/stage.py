@@ -51,8 +51,8 @@ from base.distributed import Distributed, ParallelDims
 from data import LoaderOptions
 
 if TYPE_CHECKING:
+    from checkpointing import StateLayout
     from model import GPT
-    from recipe.checkpoint import StateLayout
     from recipe.guard import NonFiniteGuard
 
 Phase = Literal["batch", "input", "numerics", "optimizer", "model", "step"]
@@ -195,5 +195,5 @@ class Stage:
     # a float8 stage's precomputed scales for FSDP's next all-gather.
     after_optimizer_step: Callable[[Context], None] | None = None
     # How the stage's parameters are laid out in a checkpoint when DCP or set_state_dict cannot
-    # take them as they are (+opt=tp's strided QKV): recipe/checkpoint.py's StateLayout.
+    # take them as they are (+opt=tp's strided QKV): checkpointing/state_layout.py's StateLayout.
     checkpoint_layout: StateLayout | None = None
