@@ -142,16 +142,11 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
     parallel = ParallelDims(dist.world_size)  # the stages that split the model set its degrees
     p = Plan(stages=stages, batch_size=cfg.train.batch_size, parallel=parallel)
     ctx = Context(dist, p, cfg=cfg)
-    for stage in chosen:
-        if stage.check:
-            ctx.knobs = cfg.opt[stage.name]
-            stage.check(ctx)
+    _each(chosen, "check", cfg.opt, ctx)
     for phase in PLANNED:
         _run(phase, cfg.opt, ctx)
-    for stage in chosen:
-        if stage.plan:
-            ctx.knobs = cfg.opt[stage.name]
-            stage.plan(ctx)
+    _each(chosen, "plan", cfg.opt, ctx)
+    _each(chosen, "check_plan", cfg.opt, ctx)  # every stage's decisions are in the plan now
     return p
 
 
@@ -212,6 +207,16 @@ def checkpoint_layouts(p: Plan) -> list[StateLayout]:
 def _chosen(p: Plan) -> list[Stage]:
     """The selected stages, in ORDER."""
     return [stage for stage in STAGES if stage.name in p.stages]
+
+
+def _each(chosen: list[Stage], hook: str, opt_cfg: DictConfig, ctx: Context) -> None:
+    """Runs the planning `hook` (check, plan, check_plan) of each chosen stage that declares it,
+    in ORDER, with its knobs."""
+    for stage in chosen:
+        run = getattr(stage, hook)
+        if run:
+            ctx.knobs = opt_cfg[stage.name]
+            run(ctx)
 
 
 def _check_knobs(stage: Stage, node: DictConfig) -> None:
