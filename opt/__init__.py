@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -88,10 +89,14 @@ STAGES: tuple[Stage, ...] = (
     opt_in_backward.STAGE,
 )  # fmt: skip
 ORDER = tuple(stage.name for stage in STAGES)  # their names, in that order
+# What a trained model's evaluation, in one process, leaves out of its run's stages: those that
+# spread training over processes, and lowbit's optimizer, which changes nothing evaluated (and
+# would need torchao to plan).
+NOT_EVALUATED: tuple[Stage, ...] = (ddp.STAGE, fsdp.STAGE, pp.STAGE, tp.STAGE, lowbit.STAGE)
 
 __all__ = [
-    "ORDER", "STAGES", "Plan", "Step", "apply_model_stages", "build_step", "check_resume",
-    "checkpoint_layouts", "gradient_sync", "plan",
+    "NOT_EVALUATED", "ORDER", "STAGES", "Plan", "Step", "apply_model_stages", "build_step",
+    "check_resume", "checkpoint_layouts", "for_evaluation", "gradient_sync", "plan",
 ]  # fmt: skip
 
 
@@ -104,6 +109,13 @@ def selected(opt_cfg: DictConfig) -> list[str]:
             f"{', '.join(ORDER)} (see opt/__init__.py to add one)"
         )
     return [name for name in ORDER if name in opt_cfg]
+
+
+def for_evaluation(opt_cfg: DictConfig) -> dict[str, Any]:
+    """A run's stages (its `cfg.opt`, each with its knobs) as a trained model's evaluation plans
+    them in one process: without NOT_EVALUATED."""
+    left_out = {stage.name for stage in NOT_EVALUATED}
+    return {str(name): knobs for name, knobs in opt_cfg.items() if name not in left_out}
 
 
 def check(stages: list[str], dist: Distributed) -> None:
