@@ -23,13 +23,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+import checkpointing
 import data
 import opt
 import tasks
 from base import distributed, errors
 from launch import torchrun
 from model import GPT, GPTConfig
-from recipe import checkpoint, config, rundir
+from recipe import config, rundir
 from recipe.evaluation import build_loaders, validation
 from recipe.guard import NonFiniteGuard
 from recipe.hardware import cap_memory, matmul_ceiling, peak_flops
@@ -173,8 +174,8 @@ def train(cfg: DictConfig, run_dir: Path, overrides: list[str] | tuple = ()) -> 
     )  # fmt: skip
     losses = LossWindow(dist.device)  # summed on the device: no .item() per step
     step = run.step
-    saver = checkpoint.Saver.for_run(run_dir, dist, t, layouts)  # checkpoint_interval, keep_*
-    with checkpoint.StopSignal() as stop:  # from the first evaluation on: it may take minutes
+    saver = checkpointing.Saver.for_run(run_dir, dist, t, layouts)  # checkpoint_interval, keep_*
+    with checkpointing.StopSignal() as stop:  # from the first evaluation on: it may take minutes
         if step == 0:
             validated(logger, step, validate)
         if ceiling:  # perf.matmul_ceiling

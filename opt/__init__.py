@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -50,6 +51,7 @@ from omegaconf import DictConfig
 from base import knobs
 from base.distributed import Distributed, ParallelDims
 from base.errors import ConfigError
+from checkpointing import StateLayout
 from model import GPT
 from opt import (
     ac,
@@ -75,7 +77,6 @@ from opt import (
 from opt.accum import gradient_sync
 from opt.stage import PLANNED, Context, Phase, Plan, Stage, Step
 from opt.step import LoopStep
-from recipe.checkpoint import StateLayout
 from recipe.guard import NonFiniteGuard
 
 STAGES: tuple[Stage, ...] = (
@@ -88,10 +89,14 @@ STAGES: tuple[Stage, ...] = (
     opt_in_backward.STAGE,
 )  # fmt: skip
 ORDER = tuple(stage.name for stage in STAGES)  # their names, in that order
+# What a trained model's evaluation, in one process, leaves out of its run's stages: those that
+# spread training over processes, and lowbit's optimizer, which changes nothing evaluated (and
+# would need torchao to plan).
+NOT_EVALUATED: tuple[Stage, ...] = (ddp.STAGE, fsdp.STAGE, pp.STAGE, tp.STAGE, lowbit.STAGE)
 
 __all__ = [
-    "ORDER", "STAGES", "Plan", "Step", "apply_model_stages", "build_step", "check_resume",
-    "checkpoint_layouts", "gradient_sync", "plan",
+    "NOT_EVALUATED", "ORDER", "STAGES", "Plan", "Step", "apply_model_stages", "build_step",
+    "check_resume", "checkpoint_layouts", "for_evaluation", "gradient_sync", "plan",
 ]  # fmt: skip
 
 
@@ -104,6 +109,13 @@ def selected(opt_cfg: DictConfig) -> list[str]:
             f"{', '.join(ORDER)} (see opt/__init__.py to add one)"
         )
     return [name for name in ORDER if name in opt_cfg]
+
+
+def for_evaluation(opt_cfg: DictConfig) -> dict[str, Any]:
+    """A run's stages (its `cfg.opt`, each with its knobs) as a trained model's evaluation plans
+    them in one process: without NOT_EVALUATED."""
+    left_out = {stage.name for stage in NOT_EVALUATED}
+    return {str(name): knobs for name, knobs in opt_cfg.items() if name not in left_out}
 
 
 def check(stages: list[str], dist: Distributed) -> None:
@@ -142,16 +154,11 @@ def plan(cfg: DictConfig, dist: Distributed) -> Plan:
     parallel = ParallelDims(dist.world_size)  # the stages that split the model set its degrees
     p = Plan(stages=stages, batch_size=cfg.train.batch_size, parallel=parallel)
     ctx = Context(dist, p, cfg=cfg)
-    for stage in chosen:
-        if stage.check:
-            ctx.knobs = cfg.opt[stage.name]
-            stage.check(ctx)
+    _each(chosen, "check", cfg.opt, ctx)
     for phase in PLANNED:
         _run(phase, cfg.opt, ctx)
-    for stage in chosen:
-        if stage.plan:
-            ctx.knobs = cfg.opt[stage.name]
-            stage.plan(ctx)
+    _each(chosen, "plan", cfg.opt, ctx)
+    _each(chosen, "check_plan", cfg.opt, ctx)  # every stage's decisions are in the plan now
     return p
 
 
@@ -212,6 +219,16 @@ def checkpoint_layouts(p: Plan) -> list[StateLayout]:
 def _chosen(p: Plan) -> list[Stage]:
     """The selected stages, in ORDER."""
     return [stage for stage in STAGES if stage.name in p.stages]
+
+
+def _each(chosen: list[Stage], hook: str, opt_cfg: DictConfig, ctx: Context) -> None:
+    """Runs the planning `hook` (check, plan, check_plan) of each chosen stage that declares it,
+    in ORDER, with its knobs."""
+    for stage in chosen:
+        run = getattr(stage, hook)
+        if run:
+            ctx.knobs = opt_cfg[stage.name]
+            run(ctx)
 
 
 def _check_knobs(stage: Stage, node: DictConfig) -> None:

@@ -193,7 +193,7 @@ class Knobs:
 
 
 def _check(ctx: Context) -> None:
-    """Refuses, in one line, what the device, the model or the other stages cannot run."""
+    """Refuses, in one line, what the device or the model cannot run."""
     backend, device, cfg = ctx.knobs.backend, ctx.dist.device, ctx.cfg
     key = f"opt.attention.backend={backend}"
     if device.type == "cuda" and backend in HALF_ONLY:
@@ -203,18 +203,11 @@ def _check(ctx: Context) -> None:
                 f"{key}: {HALF_ONLY[backend]} needs an Ampere (sm80) or newer GPU, this one is "
                 f"sm{major}{minor}: use efficient (or auto)"
             )
-    if backend == "flex":
-        if cfg.model.dropout:
-            raise ConfigError(
-                f"{key} with model.dropout={cfg.model.dropout}: FlexAttention has no dropout; "
-                "set model.dropout=0 (GPT-2's pretraining uses none) or use an SDPA backend"
-            )
-        if "compile" not in ctx.plan.stages or cfg.opt.compile.backend != "inductor":
-            raise ConfigError(
-                f"{key} needs +opt=compile with opt.compile.backend=inductor: Inductor "
-                "generates FlexAttention's fused kernel; without it FlexAttention runs a "
-                "reference that materialises every T x T score"
-            )
+    if backend == "flex" and cfg.model.dropout:
+        raise ConfigError(
+            f"{key} with model.dropout={cfg.model.dropout}: FlexAttention has no dropout; "
+            "set model.dropout=0 (GPT-2's pretraining uses none) or use an SDPA backend"
+        )
 
 
 def refuse_off_gpu(backend: str, device: torch.device) -> None:
@@ -234,23 +227,29 @@ def refuse_off_gpu(backend: str, device: torch.device) -> None:
         )
 
 
-def _plan(ctx: Context) -> None:
-    """Refuses the GPU's half-precision kernels in a float32 run (needs the planned precision;
-    PyTorch's CPU flash kernel computes in float32 too)."""
-    backend, cuda = ctx.knobs.backend, ctx.dist.device.type == "cuda"
-    if cuda and backend in HALF_ONLY and ctx.plan.amp_dtype is None:
+def _check_plan(ctx: Context) -> None:
+    """Refuses what the other stages' decisions leave a backend unable to run: FlexAttention
+    uncompiled, the GPU's half-precision kernels in a float32 run (PyTorch's CPU flash kernel
+    computes in float32 too)."""
+    backend, cuda, plan = ctx.knobs.backend, ctx.dist.device.type == "cuda", ctx.plan
+    key = f"opt.attention.backend={backend}"
+    if backend == "flex" and not (plan.compiled and ctx.cfg.opt.compile.backend == "inductor"):
         raise ConfigError(
-            f"opt.attention.backend={backend}: {HALF_ONLY[backend]} computes in float16 or "
-            "bfloat16 only, and this run computes in float32: add +opt=amp, or use efficient "
-            "or math"
+            f"{key} needs +opt=compile with opt.compile.backend=inductor: Inductor generates "
+            "FlexAttention's fused kernel; without it FlexAttention runs a reference that "
+            "materialises every T x T score"
+        )
+    if cuda and backend in HALF_ONLY and plan.amp_dtype is None:
+        raise ConfigError(
+            f"{key}: {HALF_ONLY[backend]} computes in float16 or bfloat16 only, and this run "
+            "computes in float32: add +opt=amp, or use efficient or math"
         )
 
 
-def apply_attention(ctx: Context, backend: str) -> None:
+def apply_attention(ctx: Context, backend: str, selected: bool = True) -> None:
     """Sets every block's attention to `backend`'s, then probes and logs what runs (every GPU
-    run; on a CPU only if the stage was selected)."""
+    run; on a CPU only if the stage was `selected`)."""
     model, plan, device = ctx.model, ctx.plan, ctx.dist.device
-    selected = "attention" in plan.stages
     refuse_off_gpu(backend, device)
     attend = attend_with(backend)
     use(model, attend)
@@ -274,6 +273,6 @@ def apply_attention(ctx: Context, backend: str) -> None:
 
 STAGE = Stage(
     "attention", "model", lambda ctx: apply_attention(ctx, ctx.knobs.backend), Knobs,
-    check=_check, plan=_plan,
-    unselected=lambda ctx: apply_attention(ctx, "auto"),  # reports PyTorch's choice on a GPU
+    check=_check, check_plan=_check_plan,
+    unselected=lambda ctx: apply_attention(ctx, "auto", selected=False),  # PyTorch's, on a GPU
 )  # fmt: skip

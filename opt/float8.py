@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from base.distributed import log
 from base.errors import ConfigError
-from opt.stage import Context, Stage
+from opt.stage import Context, Plan, Stage
 
 if TYPE_CHECKING:
     from model import GPT
@@ -66,20 +66,25 @@ def torchao_float8() -> Any:
     return torchao.float8
 
 
-def check_float8(knobs: Any, stages: list[str]) -> None:
-    """Refuses knobs that cannot work with the selected stages, before any work starts."""
+def check_float8(knobs: Any) -> None:
+    """Refuses knobs that cannot work together, or without torchao, before any work starts."""
     torchao_float8()
     if knobs.fsdp_all_gather and knobs.recipe != "tensorwise":
         raise ConfigError(
             f"opt.float8.fsdp_all_gather=true needs opt.float8.recipe=tensorwise, not "
             f"{knobs.recipe}: torchao gathers float8 weights with one scale per tensor only"
         )
-    if knobs.fsdp_all_gather and "fsdp" not in stages:
+
+
+def check_with_plan(knobs: Any, plan: Plan) -> None:
+    """Refuses knobs that the other stages' decisions rule out (FSDP's sharding, compile), once
+    the plan holds them all: before any work starts."""
+    if knobs.fsdp_all_gather and not plan.parallel.fsdp_enabled:
         raise ConfigError(
             "opt.float8.fsdp_all_gather=true gathers FSDP's weight shards in float8: add "
             "+opt=fsdp, or drop it"
         )
-    if knobs.emulate and "compile" in stages:
+    if knobs.emulate and plan.compiled:
         raise ConfigError(
             "opt.float8.emulate=true runs eager only (torchao's emulated matmuls do not compile): "
             "drop +opt=compile, or emulate on a GPU of compute capability 8.9 or newer"
@@ -215,7 +220,8 @@ STAGE = Stage(
         "tp": "tp splits the Linear layers with its own plans (c_attn's strided split replaces "
         "its forward), which torchao's float8 tensor-parallel plans would have to replace",
     },
-    check=lambda ctx: check_float8(ctx.knobs, ctx.plan.stages),
+    check=lambda ctx: check_float8(ctx.knobs),
+    check_plan=lambda ctx: check_with_plan(ctx.knobs, ctx.plan),
     unselected=_reset,
     after_optimizer_step=lambda ctx: precompute_scales(ctx.model),
 )  # fmt: skip

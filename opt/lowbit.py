@@ -258,9 +258,6 @@ def store_matrices_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-WEIGHTS_WHOLE_MODEL = ("tp", "pp", "fsdp")  # they shard or split the float32 model themselves
-
-
 def store_weights_in_bfloat16(plan: Plan) -> None:
     """opt.lowbit.weights=bfloat16: the model's matrices and embeddings stored in bfloat16 (2
     bytes a parameter instead of 4, their gradients too; `store_matrices_in`), each update
@@ -273,15 +270,28 @@ def store_weights_in_bfloat16(plan: Plan) -> None:
             "opt.lowbit.weights=bfloat16 computes in bfloat16 under autocast: add +opt=amp with "
             "opt.amp.dtype=bfloat16"
         )
-    splitting = [s for s in WEIGHTS_WHOLE_MODEL if s in plan.stages]
-    if splitting:
-        raise ConfigError(
-            f"opt.lowbit.weights=bfloat16 and +opt={splitting[0]}: the weights are cast on the "
-            "whole model of one process; use opt.lowbit.weights=float32 there"
-        )
     plan.weights_dtype = torch.bfloat16
     plan.residual_dtype = plan.residual_dtype or torch.float32
     plan.optimizer_kwargs["bf16_stochastic_round"] = True  # torchao's update; ours reads it too
+
+
+def _check_plan(ctx: Context) -> None:
+    """opt.lowbit.weights=bfloat16 casts the whole model of one process (`_prepare_model`),
+    before any stage wraps it: refused where the plan splits or shards the model over processes,
+    whose stages lay out the float32 model themselves."""
+    parallel = ctx.plan.parallel
+    if ctx.plan.weights_dtype is None:
+        return
+    for on, what in (
+        (parallel.tp_enabled, "tensor parallelism (+opt=tp) splits it"),
+        (parallel.pp_enabled, "the pipeline (+opt=pp) splits it"),
+        (parallel.fully_sharded, "FSDP (+opt=fsdp) shards it"),
+    ):
+        if on:
+            raise ConfigError(
+                f"opt.lowbit.weights=bfloat16 casts the whole model of one process, and {what} "
+                "over processes: use opt.lowbit.weights=float32 there"
+            )
 
 
 def _prepare_model(ctx: Context) -> None:
@@ -292,7 +302,7 @@ def _prepare_model(ctx: Context) -> None:
 
 OWN_IMPLEMENTATION = "torchao's low-bit AdamW is its own implementation"
 STAGE = Stage(
-    "lowbit", "optimizer", _apply, Knobs, prepare_model=_prepare_model,
+    "lowbit", "optimizer", _apply, Knobs, check_plan=_check_plan, prepare_model=_prepare_model,
     conflicts={"forloop": OWN_IMPLEMENTATION, "foreach": OWN_IMPLEMENTATION,
                "fused": OWN_IMPLEMENTATION,
                "offload": "two ways to shrink the optimizer state on the GPU"},

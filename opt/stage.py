@@ -21,6 +21,10 @@ Besides `apply`, a stage may declare hooks for what happens around it, each opti
     plan(ctx)             in opt.plan, after the planning phases       a model or step stage's
                                                                        decisions (the mesh's
                                                                        degrees: ctx.plan.parallel)
+    check_plan(ctx)       in opt.plan, last: every stage has planned   what the knobs cannot do
+                                                                       with the others' decisions
+                                                                       (ctx.plan.compiled, the
+                                                                       parallel layout)
     unselected(ctx)       in its phase, when not selected              a process-wide reset, the
                                                                        default DDP
     check_resume(stages)  before restoring a checkpoint                refusing one it cannot read
@@ -51,8 +55,8 @@ from base.distributed import Distributed, ParallelDims
 from data import LoaderOptions
 
 if TYPE_CHECKING:
+    from checkpointing import StateLayout
     from model import GPT
-    from recipe.checkpoint import StateLayout
     from recipe.guard import NonFiniteGuard
 
 Phase = Literal["batch", "input", "numerics", "optimizer", "model", "step"]
@@ -178,6 +182,11 @@ class Stage:
     # mesh's degrees, the precision FSDP casts to), and its checks that need the planned batch
     # or precision; run by opt.plan after the planning phases, in ORDER.
     plan: Callable[[Context], None] | None = None
+    # Refuses, in one line, what the knobs cannot do with the other stages' decisions, which the
+    # plan then holds whatever their order (Plan.compiled, ParallelDims' "is X on"): run by
+    # opt.plan once every selected stage has planned, so that no stage asks which others were
+    # selected by their names.
+    check_plan: Callable[[Context], None] | None = None
     # Run in its phase when the stage is not selected: a process-wide setting reset (tf32), the
     # default DDP of a multi-process run.
     unselected: Callable[[Context], Any] | None = None
@@ -195,5 +204,5 @@ class Stage:
     # a float8 stage's precomputed scales for FSDP's next all-gather.
     after_optimizer_step: Callable[[Context], None] | None = None
     # How the stage's parameters are laid out in a checkpoint when DCP or set_state_dict cannot
-    # take them as they are (+opt=tp's strided QKV): recipe/checkpoint.py's StateLayout.
+    # take them as they are (+opt=tp's strided QKV): checkpointing/state_layout.py's StateLayout.
     checkpoint_layout: StateLayout | None = None

@@ -37,7 +37,7 @@ from typing import Any
 from base.distributed import launcher
 from base.errors import FileRefused, MissingFile, Unusable
 from base.files import refuse_link, write_text_atomically
-from recipe.checkpoint import BEST, FILENAME, HISTORY, SHARDED
+from checkpointing import BEST, FILENAME, HISTORY, SHARDED
 
 METRICS, SUMMARY, LOCK = "metrics.jsonl", "summary.json", ".lock"
 # Every file the trainer writes in a run folder (config.yaml and overrides.yaml: recipe/config.py's

@@ -2,7 +2,7 @@
 consumed) and what rebuilds and checks it without its command line (the resolved config, the
 model's real shape, the stages, the corpus, the optimizer's kind, the wandb run).
 
-Every checkpoint saves it beside the weights (`saved()`: the keys of recipe/checkpoint.py's
+Every checkpoint saves it beside the weights (`saved()`: the keys of checkpointing/saver.py's
 state, unchanged on disk) and a resume reads it back (`RunState.start`), checks it against the
 new config, and puts the weights, optimizer, scaler and every rank's RNG states back (`restore`).
 """
@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+import checkpointing
 import data
-from recipe import checkpoint, config
-from recipe.checkpoint import StateLayout
+from checkpointing import StateLayout
+from recipe import config
 
 
 @dataclass
@@ -48,7 +49,7 @@ class RunState:
         corpus = data.corpus_identity(cfg.data)
         if not cfg.train.resume:
             return cls(corpus=corpus)
-        run = cls.from_saved(checkpoint.read(run_dir))
+        run = cls.from_saved(checkpointing.read(run_dir))
         config.check_resume(run.config, cfg)
         data.check_corpus(run.corpus, corpus)
         run.corpus = corpus
@@ -56,7 +57,8 @@ class RunState:
 
     @classmethod
     def from_saved(cls, state: dict[str, Any]) -> RunState:
-        """A checkpoint's state (`checkpoint.read`); older ones lack some keys, taken as unknown."""
+        """A checkpoint's state (`checkpointing.read`); older ones lack some keys, taken as
+        unknown."""
         return cls(
             step=state["step"], samples=state["samples"], config=state["config"],
             model_config=state.get("model_config"), stages=state.get("stages", []),
@@ -71,7 +73,7 @@ class RunState:
     def check_shape(self, model_config: Any) -> None:
         """Refuses a checkpoint whose model differs from this run's (a GPTConfig)."""
         if self.checkpoint is not None:
-            checkpoint.check_shape(self.checkpoint, model_config)
+            checkpointing.check_shape(self.checkpoint, model_config)
 
     def restore(
         self,
@@ -84,7 +86,7 @@ class RunState:
         """Puts the checkpoint's weights, optimizer, scaler and this rank's RNG states back
         (nothing on a new run), then lets its host copy go. `layouts`: the selected stages'."""
         if self.checkpoint is not None:
-            checkpoint.restore(self.checkpoint, model, optimizer, scaler, rank, layouts)
+            checkpointing.restore(self.checkpoint, model, optimizer, scaler, rank, layouts)
             self.checkpoint = None
 
     def begin(
@@ -110,7 +112,7 @@ class RunState:
 
     def saved(self, step: int) -> dict[str, Any]:
         """What a checkpoint of step `step` saves beside the weights, the step, the scaler and
-        the RNG states (recipe/checkpoint.py adds those): the keys it has always had."""
+        the RNG states (checkpointing/saver.py adds those): the keys it has always had."""
         return {
             "config": self.config, "model_config": self.model_config, "stages": self.stages,
             "wandb_id": self.wandb_id, "corpus": self.corpus,

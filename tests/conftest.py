@@ -440,10 +440,10 @@ def assert_holds_the_weights_of(run_dir: Path, reference: Path) -> None:
     """`run_dir`'s checkpoint, read whole in one process (sample.py, export), holds the
     reference run's weights: the fused QKV in GPT-2's row order although each rank held strided
     slices of it (under FSDP too: slices of slices)."""
-    from recipe import checkpoint
+    import checkpointing
 
-    loaded, _ = checkpoint.load_model(run_dir)
-    one_model, _ = checkpoint.load_model(reference)
+    loaded, _ = checkpointing.load_model(run_dir)
+    one_model, _ = checkpointing.load_model(reference)
     for name, weight in one_model.state_dict().items():  # weights ~0.02; a wrong row order
         # would be off by that much. Adam turns the rounding of near-zero gradients (rare
         # tokens' embedding rows) into up to a tenth of a step's lr (2e-3).

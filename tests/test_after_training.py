@@ -12,10 +12,10 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+import checkpointing
 from conftest import ROOT, logged, python, tiny_cfg, tiny_run, tool_cfg
 from data.tokenizer import gpt2_encoding
 from model import GPT
-from recipe import checkpoint
 from tools import evaluate as evaluate_app
 from tools import export_hf as export_app
 from tools import generate
@@ -166,7 +166,7 @@ def test_export_round_trip_through_transformers(tmp_path, bias) -> None:
     tiny_run(run_dir, "train.max_steps=2", f"model.bias={str(bias).lower()}",
              "sample.num_samples=0", *QUIET)  # fmt: skip
     export_app.export_run(tool_cfg("export_hf", f"run={run_dir}", f"out={out}"))
-    ours, _ = checkpoint.load_model(run_dir)
+    ours, _ = checkpointing.load_model(run_dir)
     hf = GPT2LMHeadModel.from_pretrained(out).eval()
     assert hf.config.vocab_size == 50257 and hf.config.n_positions == 32
     idx = torch.randint(0, 50257, (2, 32))
@@ -191,7 +191,7 @@ def test_training_from_an_export_starts_where_the_run_ended(run, tmp_path) -> No
         tmp_path / "fine-tune",
     )  # fmt: skip
     assert logged(tmp_path / "fine-tune", "val/loss")[0] == logged(run, "val/loss")[-1]
-    state = checkpoint.read(tmp_path / "fine-tune")
+    state = checkpointing.read(tmp_path / "fine-tune")
     assert state["model_config"]["n_layer"] == 2  # the export's shape, not model.n_layer=1
     assert summary["completed"]
 

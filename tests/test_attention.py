@@ -192,6 +192,14 @@ def test_what_cannot_run_is_refused_in_one_line_while_planning(
     assert "\n" not in str(refused.value)
 
 
+def test_flex_plans_once_the_plan_compiles_with_inductor() -> None:
+    """The flex check asks Plan.compiled, which +opt=compile's plan sets, whatever the order."""
+    flex = ("+opt=[compile,attention]", "opt.attention.backend=flex")
+    assert opt.plan(tiny_cfg(*flex), CUDA).compiled
+    with pytest.raises(ConfigError, match="needs \\+opt=compile with opt.compile.backend=inductor"):
+        opt.plan(tiny_cfg(*flex, "opt.compile.backend=aot_eager"), CUDA)
+
+
 @pytest.mark.parametrize(
     "backend, says",
     [

@@ -12,10 +12,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import checkpointing
 from base.distributed import Distributed
 from conftest import make_cfg, tiny_run
 from model import GPT, GPTConfig
-from recipe import checkpoint
 from tools import loading
 from train import train
 
@@ -45,25 +45,25 @@ def test_keep_checkpoints_keeps_the_last_n_and_read_gives_the_latest(tmp_path) -
     run = tmp_path / "run"
     tiny_run(run, "train.max_steps=8", "train.checkpoint_interval=2",
              "train.keep_checkpoints=3", "perf.checkpoint_time=true", *QUIET)  # fmt: skip
-    kept = sorted(p.name for p in (run / checkpoint.HISTORY).iterdir())
+    kept = sorted(p.name for p in (run / checkpointing.HISTORY).iterdir())
     assert kept == ["step-00000004", "step-00000006", "step-00000008"]
-    assert checkpoint.read(run)["step"] == 8
+    assert checkpointing.read(run)["step"] == 8
     for step in (4, 6, 8, "step-6"):
-        assert checkpoint.read(run, which=step)["step"] == int(str(step).removeprefix("step-"))
+        assert checkpointing.read(run, which=step)["step"] == int(str(step).removeprefix("step-"))
     with pytest.raises(FileNotFoundError, match="keeps no checkpoint of that step.*4, 6, 8"):
-        checkpoint.read(run, which=2)
+        checkpointing.read(run, which=2)
     saves = [r["step"] for r in _rows(run) if "perf/checkpoint_s" in r]
     assert saves == [2, 4, 6, 8]  # how long each save held the loop
     # The kept files are the latest's own (hard links): no copy of the weights.
-    latest = run / checkpoint.FILENAME
-    assert (run / checkpoint.HISTORY / "step-00000008" / latest.name).samefile(latest)
+    latest = run / checkpointing.FILENAME
+    assert (run / checkpointing.HISTORY / "step-00000008" / latest.name).samefile(latest)
 
 
 def test_keep_one_is_the_single_checkpoint_of_before(tmp_path) -> None:
     run = tmp_path / "run"
     tiny_run(run, "train.max_steps=4", "train.checkpoint_interval=2", *QUIET)
-    assert not (run / checkpoint.HISTORY).exists() and not (run / checkpoint.BEST).exists()
-    assert checkpoint.read(run)["step"] == 4
+    assert not (run / checkpointing.HISTORY).exists() and not (run / checkpointing.BEST).exists()
+    assert checkpointing.read(run)["step"] == 4
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
@@ -80,23 +80,23 @@ def test_dcp_keeps_the_last_n_step_folders(tmp_path, background) -> None:
                  "replicas": 1}  # fmt: skip
         apply_fsdp(model, OmegaConf.create(knobs), CPU, None)
         optimizer = torch.optim.AdamW(model.parameters())
-        saver = checkpoint.Saver(tmp_path, CPU, keep=2, keep_best=True, async_save=background)
+        saver = checkpointing.Saver(tmp_path, CPU, keep=2, keep_best=True, async_save=background)
         for step, loss in ((1, 3.0), (2, 2.0), (3, 2.5)):
             saver.save(model, optimizer, scaler, step, _run_state(model), val_loss=loss)
         saver.close()
     finally:
         distributed.shutdown()
-    root = tmp_path / checkpoint.SHARDED
+    root = tmp_path / checkpointing.SHARDED
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002", "step-00000003"]
-    assert checkpoint.read(tmp_path)["step"] == 3
-    assert checkpoint.read(tmp_path, which="best")["step"] == 2  # its step folder is gone
-    best, _ = checkpoint.load_model(tmp_path, which="best")  # read whole, in one process
+    assert checkpointing.read(tmp_path)["step"] == 3
+    assert checkpointing.read(tmp_path, which="best")["step"] == 2  # its step folder is gone
+    best, _ = checkpointing.load_model(tmp_path, which="best")  # read whole, in one process
     assert isinstance(best, GPT)
 
 
 def test_keep_best_keeps_the_lowest_val_loss(tmp_path) -> None:
     model, optimizer, scaler = _tiny()
-    saver = checkpoint.Saver(tmp_path, CPU, keep_best=True)
+    saver = checkpointing.Saver(tmp_path, CPU, keep_best=True)
     weights = {}
     for step, loss in ((1, 3.0), (2, 2.0), (3, None), (4, 2.5)):
         with torch.no_grad():
@@ -104,16 +104,16 @@ def test_keep_best_keeps_the_lowest_val_loss(tmp_path) -> None:
         weights[step] = model.state_dict()["lm_head.weight"].clone()
         saver.save(model, optimizer, scaler, step, _run_state(model), val_loss=loss)
     saver.close()
-    assert checkpoint.best_record(tmp_path) == {"step": 2, "val_loss": 2.0, "measured": {}}
+    assert checkpointing.best_record(tmp_path) == {"step": 2, "val_loss": 2.0, "measured": {}}
     assert [p.name for p in (tmp_path / "best").glob("step-*")] == ["step-00000002"]
-    assert checkpoint.read(tmp_path)["step"] == 4  # the latest stays where readers look
+    assert checkpointing.read(tmp_path)["step"] == 4  # the latest stays where readers look
     # The tools load it: checkpoint=best.
     cfg = OmegaConf.create({"run": str(tmp_path), "model": {}, "verify": True,
                             "checkpoint": "best"})  # fmt: skip
     loaded, _ = loading.load_model(cfg, torch.device("cpu"))
     torch.testing.assert_close(loaded.lm_head.weight, weights[2], rtol=0, atol=0)
     with pytest.raises(FileNotFoundError, match="checkpoint=best: .* keeps no best"):
-        checkpoint.read(tmp_path / "nothing", which="best")
+        checkpointing.read(tmp_path / "nothing", which="best")
 
 
 def test_keep_best_in_a_run_is_its_lowest_val_loss_at_a_save(tmp_path) -> None:
@@ -123,20 +123,20 @@ def test_keep_best_in_a_run_is_its_lowest_val_loss_at_a_save(tmp_path) -> None:
     evaluated = {r["step"]: r["val/loss"] for r in _rows(run) if "val/loss" in r and r["step"]}
     best = min(evaluated, key=evaluated.__getitem__)
     measured = {"eval_sequences": 8}
-    assert checkpoint.best_record(run) == {
+    assert checkpointing.best_record(run) == {
         "step": best, "val_loss": evaluated[best], "measured": measured
     }  # fmt: skip
-    assert checkpoint.read(run, which="best")["step"] == best
+    assert checkpointing.read(run, which="best")["step"] == best
 
 
 def test_keep_best_restarts_when_a_resume_changes_what_the_losses_measure(tmp_path, capsys):
     run, every = tmp_path / "run", ("train.checkpoint_interval=2", "train.eval_interval=2")
     tiny_run(run, "train.max_steps=4", *every, "train.keep_best=true", *QUIET)
-    before = checkpoint.best_record(run)
+    before = checkpointing.best_record(run)
     assert before is not None and before["measured"] == {"eval_sequences": 8}
     tiny_run(run, "train.max_steps=6", "train.resume=true", "train.eval_sequences=4")
     # Step 6's loss is over 4 sequences: it is not compared with a loss over 8, it starts anew.
-    assert checkpoint.best_record(run) == {
+    assert checkpointing.best_record(run) == {
         "step": 6, "val_loss": _rows(run)[-1]["val/loss"], "measured": {"eval_sequences": 4}
     }  # fmt: skip
     said = capsys.readouterr().out
@@ -149,28 +149,28 @@ def test_async_save_writes_the_same_file_as_a_sync_save(tmp_path) -> None:
     for run in ("sync", "async"):
         (tmp_path / run).mkdir()
     torch.manual_seed(0)
-    checkpoint.save(tmp_path / "sync", CPU, model, optimizer, scaler, 1, _run_state(model))
+    checkpointing.save(tmp_path / "sync", CPU, model, optimizer, scaler, 1, _run_state(model))
     torch.manual_seed(0)  # the same RNG state saved
-    saver = checkpoint.Saver(tmp_path / "async", CPU, async_save=True)
+    saver = checkpointing.Saver(tmp_path / "async", CPU, async_save=True)
     saver.save(model, optimizer, scaler, 1, _run_state(model))
     with torch.no_grad():  # the training goes on while it writes: the snapshot is unaffected
         for p in model.parameters():
             p.add_(1.0)
     saver.close()
-    name = checkpoint.FILENAME
+    name = checkpointing.FILENAME
     assert (tmp_path / "async" / name).read_bytes() == (tmp_path / "sync" / name).read_bytes()
 
 
 def test_snapshot_keeps_tied_weights_one_storage() -> None:
     model, optimizer, _ = _tiny()
-    state = checkpoint.snapshot({"model": model.state_dict()})["model"]
+    state = checkpointing.snapshot({"model": model.state_dict()})["model"]
     assert state["lm_head.weight"].untyped_storage().data_ptr() == (
         state["transformer.wte.weight"].untyped_storage().data_ptr()
     )
     assert state["lm_head.weight"].data_ptr() != model.lm_head.weight.data_ptr()
 
 
-class _StopAt(checkpoint.StopSignal):
+class _StopAt(checkpointing.StopSignal):
     """Asks to stop (checkpoint and exit) at step 5, as a SIGTERM would."""
 
     reads = 0
@@ -189,7 +189,7 @@ def test_resume_from_an_async_save_is_exact(tmp_path, monkeypatch) -> None:
     args = ("train.max_steps=8", "train.log_interval=1", "train.eval_interval=4", *QUIET)
     tiny_run(tmp_path / "straight", *args)
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "StopSignal", _StopAt)
+        patch.setattr(checkpointing, "StopSignal", _StopAt)
         stopped = tiny_run(tmp_path / "resumed", *args, "train.async_save=true")
     assert stopped["step"] == 5
     train(make_cfg("train.resume=true"), tmp_path / "resumed", overrides=["train.resume=true"])
@@ -205,12 +205,12 @@ def test_a_failed_background_save_surfaces_at_the_next_save_and_at_the_end(
     tmp_path, monkeypatch
 ) -> None:
     model, optimizer, scaler = _tiny()
-    saver = checkpoint.Saver(tmp_path, CPU, async_save=True)
+    saver = checkpointing.Saver(tmp_path, CPU, async_save=True)
 
     def disk_full(path, state, **kwargs) -> None:
         raise RuntimeError(f"could not write {path} (No space left on device)")
 
-    monkeypatch.setattr(checkpoint, "write_atomically", disk_full)
+    monkeypatch.setattr(checkpointing.saver, "write_atomically", disk_full)
     saver.save(model, optimizer, scaler, 1, _run_state(model))  # returns: the write is later
     with pytest.raises(RuntimeError, match="background checkpoint save failed.*No space left"):
         saver.save(model, optimizer, scaler, 2, _run_state(model))

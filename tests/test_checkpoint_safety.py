@@ -19,11 +19,12 @@ import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import checkpointing
 from base import distributed, errors
+from checkpointing import checksums, safe_load
 from conftest import CONF, ROOT, python, tiny_run
 from model import GPT, GPTConfig
 from opt.fsdp import apply_fsdp
-from recipe import checkpoint
 from tools import consolidate_checkpoint as consolidate_app
 from tools import evaluate as evaluate_app
 from tools import export_hf as export_app
@@ -37,7 +38,7 @@ def _shard(run: Path, step: int | None = None, keep: int = 1) -> None:
     """Rewrites a run's checkpoint.pt as FSDP saves it (checkpoint.dcp/), over a process group
     of this one process: the same weights and optimizer state, at the same step (or `step`),
     keeping `keep` checkpoints (train.keep_checkpoints)."""
-    state = checkpoint.read(run)
+    state = checkpointing.read(run)
     cpu = torch.device("cpu")
     distributed.init_process_group(cpu, rank=0, world_size=1, store=torch_dist.HashStore())
     try:
@@ -48,9 +49,9 @@ def _shard(run: Path, step: int | None = None, keep: int = 1) -> None:
         apply_fsdp(model, OmegaConf.create(knobs), dist, None)
         optimizer = build_optimizer(model, OmegaConf.create(state["config"]).train, {})
         scaler = torch.amp.GradScaler(enabled=False)
-        checkpoint.restore(state, model, optimizer, scaler)
+        checkpointing.restore(state, model, optimizer, scaler)
         kept = ("config", "model_config", "stages", "wandb_id", "samples")
-        saver = checkpoint.Saver(run, dist, keep=keep)
+        saver = checkpointing.Saver(run, dist, keep=keep)
         saver.save(model, optimizer, scaler, step or state["step"], {k: state[k] for k in kept})
         saver.close()
     finally:
@@ -126,7 +127,7 @@ def test_a_crafted_dcp_metadata_is_refused_everywhere_and_runs_no_code(runs, tmp
         "builtins.exec): refusing to read it"
     )
     with pytest.raises(RuntimeError) as refused:
-        checkpoint.load_model(run)
+        checkpointing.load_model(run)
     assert str(refused.value) == refusal
     _tools_refuse(run, tmp_path, re.escape(refusal))
     with pytest.raises(RuntimeError, match=re.escape(refusal)):
@@ -134,7 +135,7 @@ def test_a_crafted_dcp_metadata_is_refused_everywhere_and_runs_no_code(runs, tmp
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32))  # DCP's own reading
     optimizer, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler(enabled=False)
     with pytest.raises(RuntimeError, match=re.escape(refusal)):
-        checkpoint.restore({"sharded": folder}, model, optimizer, scaler)
+        checkpointing.restore({"sharded": folder}, model, optimizer, scaler)
     assert not marker.exists()  # no code ran
 
 
@@ -146,7 +147,7 @@ def test_a_crafted_value_in_a_dcp_shard_runs_no_code(tmp_path) -> None:
              no_dist=True)  # fmt: skip
     refusal = f"cannot read the checkpoint in {folder}: its value v is not plain data"
     with pytest.raises(RuntimeError, match=f"^{re.escape(refusal)}"):
-        checkpoint._dcp_load({"model": {"w": torch.zeros(2)}, "v": None}, folder, no_dist=True)
+        safe_load.dcp_load({"model": {"w": torch.zeros(2)}, "v": None}, folder, no_dist=True)
     assert not marker.exists()
 
 
@@ -159,15 +160,15 @@ def test_latest_must_name_a_step_folder_of_its_own(runs, tmp_path, latest) -> No
         "symlink": "step-00000009",
     }[latest]  # fmt: skip
     if latest == "symlink":
-        (run / checkpoint.SHARDED / name).symlink_to(elsewhere, target_is_directory=True)
-    (run / checkpoint.SHARDED / "LATEST").write_text(name)
+        (run / checkpointing.SHARDED / name).symlink_to(elsewhere, target_is_directory=True)
+    (run / checkpointing.SHARDED / "LATEST").write_text(name)
     with pytest.raises(RuntimeError, match=rf"LATEST names '{re.escape(name)}', not a step-<N>"):
-        checkpoint.read(run)
+        checkpointing.read(run)
 
 
 def test_a_genuine_sharded_checkpoint_loads(runs) -> None:
-    sharded, _ = checkpoint.load_model(runs["sharded"])
-    single, _ = checkpoint.load_model(runs["single"])
+    sharded, _ = checkpointing.load_model(runs["sharded"])
+    single, _ = checkpointing.load_model(runs["single"])
     assert sharded.lm_head.weight is sharded.transformer.wte.weight  # tied again
     for name, tensor in single.state_dict().items():
         torch.testing.assert_close(sharded.state_dict()[name], tensor, rtol=0, atol=0)
@@ -192,7 +193,7 @@ def test_a_save_refuses_a_planted_link_and_keeps_the_last_checkpoint(runs, tmp_p
                      "train.keep_checkpoints=2", "train.keep_best=true")  # fmt: skip
     assert sorted(p.name for p in victim.iterdir()) == ["meta.pt"]
     assert (victim / "meta.pt").read_text() == "precious"
-    assert checkpoint.read(run)["step"] == 2  # the last good one, still where readers look
+    assert checkpointing.read(run)["step"] == 2  # the last good one, still where readers look
     assert not [p for p in run.rglob("*") if ".tmp-" in p.name]
 
 
@@ -202,22 +203,22 @@ def test_a_save_refuses_a_planted_link_and_keeps_the_last_checkpoint(runs, tmp_p
 def test_a_stale_layout_is_removed_by_a_save_and_never_chosen(runs, tmp_path, capsys) -> None:
     run = _copy(runs["sharded"], tmp_path)
     _resume(run)  # the FSDP run, continued in one process: it saves checkpoint.pt
-    assert not (run / checkpoint.SHARDED).exists()
+    assert not (run / checkpointing.SHARDED).exists()
     assert (
-        f"[checkpoint] removed {run / checkpoint.SHARDED / 'LATEST'}, an older layout's latest"
+        f"[checkpoint] removed {run / checkpointing.SHARDED / 'LATEST'}, an older layout's latest"
         in capsys.readouterr().out
     )
-    assert checkpoint.read(run)["step"] == 4
+    assert checkpointing.read(run)["step"] == 4
 
     # The issue's copy: the old step-2 shards beside the step-4 file, LATEST touched last.
-    shutil.copytree(runs["sharded"] / checkpoint.SHARDED, run / checkpoint.SHARDED)
-    os.utime(run / checkpoint.SHARDED / "LATEST")
+    shutil.copytree(runs["sharded"] / checkpointing.SHARDED, run / checkpointing.SHARDED)
+    os.utime(run / checkpointing.SHARDED / "LATEST")
     message = (
         f"{run} holds two checkpoints, checkpoint.pt at step 4 and checkpoint.dcp/ at step 2: "
-        f"remove the stale one (the older is {run / checkpoint.SHARDED}) and run again"
+        f"remove the stale one (the older is {run / checkpointing.SHARDED}) and run again"
     )
     with pytest.raises(RuntimeError) as refused:
-        checkpoint.read(run)
+        checkpointing.read(run)
     assert str(refused.value) == message
     metrics = (run / "metrics.jsonl").read_bytes()
     with pytest.raises(RuntimeError, match="holds two checkpoints"):
@@ -230,19 +231,19 @@ def test_a_layout_change_keeps_what_keep_checkpoints_keeps(runs, tmp_path) -> No
     _shard(run, step=3, keep=2)  # an FSDP run keeping steps 2 and 3 in checkpoint.dcp/
     keep = "train.keep_checkpoints=2"
     tiny_run(run, "train.max_steps=4", keep, *QUIET, "train.resume=true")  # one process
-    assert checkpoint.read(run)["step"] == 4  # checkpoint.pt
-    assert checkpoint.read(run, which=3)["step"] == 3  # the older layout's kept step
+    assert checkpointing.read(run)["step"] == 4  # checkpoint.pt
+    assert checkpointing.read(run, which=3)["step"] == 3  # the older layout's kept step
     with pytest.raises(FileNotFoundError, match="keeps steps 3, 4"):
-        checkpoint.read(run, which=2)  # one more than train.keep_checkpoints: rotated out
+        checkpointing.read(run, which=2)  # one more than train.keep_checkpoints: rotated out
     tiny_run(run, "train.max_steps=5", keep, *QUIET, "train.resume=true")
-    assert [checkpoint.read(run, which=n)["step"] for n in (4, 5)] == [4, 5]
-    assert not (run / checkpoint.SHARDED).exists()  # its last kept step rotated out
+    assert [checkpointing.read(run, which=n)["step"] for n in (4, 5)] == [4, 5]
+    assert not (run / checkpointing.SHARDED).exists()  # its last kept step rotated out
 
 
 def test_both_layouts_at_one_step_read_the_single_file(runs, tmp_path) -> None:
     run = _copy(runs["sharded"], tmp_path)
     consolidate_app.consolidate(run)  # writes checkpoint.pt beside checkpoint.dcp/
-    state = checkpoint.read(run)
+    state = checkpointing.read(run)
     assert "sharded" not in state and state["step"] == 2
     assert "lm_head.weight" in state["model"]  # as a one-process run saves it
 
@@ -297,25 +298,25 @@ def test_a_flipped_bit_in_a_dcp_shard_is_refused_by_name(runs, tmp_path) -> None
     _flip_bit(shard, shard.stat().st_size // 2)
     damaged = re.escape(f"{shard} is damaged (its sha256 differs from the one saved with it)")
     with pytest.raises(RuntimeError, match=rf"^{damaged}"):
-        checkpoint.load_model(run)
+        checkpointing.load_model(run)
     _tools_refuse(run, tmp_path, damaged)
 
 
 def test_checksums_are_saved_beside_every_checkpoint_file(runs) -> None:
-    sums = checkpoint._listed(checkpoint.checksums_of(runs["single"] / "checkpoint.pt"))
+    sums = checksums._listed(checksums.checksums_of(runs["single"] / "checkpoint.pt"))
     assert list(sums) == ["checkpoint.pt"] and set(sums["checkpoint.pt"][0]) == {
         "bytes", "sha256", "sampled_sha256"
     }  # fmt: skip
     folder = _step_folder(runs["sharded"])
-    assert set(checkpoint._listed(folder / checkpoint.CHECKSUMS)) == {
+    assert set(checksums._listed(folder / checksums.CHECKSUMS)) == {
         ".metadata", "__0_0.distcp", "meta.pt"
     }  # fmt: skip
 
 
 def test_a_checkpoint_without_checksums_still_loads(runs, tmp_path) -> None:
     run = _copy(runs["single"], tmp_path)  # as an earlier version of the recipe saved it
-    checkpoint.checksums_of(run / "checkpoint.pt").unlink()
-    assert checkpoint.read(run)["step"] == 2
+    checksums.checksums_of(run / "checkpoint.pt").unlink()
+    assert checkpointing.read(run)["step"] == 2
 
 
 def test_large_files_are_sampled_and_verify_hashes_them_whole(runs, tmp_path, monkeypatch) -> None:
@@ -330,9 +331,9 @@ def test_large_files_are_sampled_and_verify_hashes_them_whole(runs, tmp_path, mo
     starts = sorted({last * i // (blocks - 1) for i in range(blocks)})
     gap = next((a + block, b) for a, b in zip(starts, starts[1:], strict=False) if b > a + block)
     _flip_bit(path, sum(gap) // 2)  # between two sampled blocks: unnoticed
-    assert checkpoint.read(run)["step"] == 2
+    assert checkpointing.read(run)["step"] == 2
     with pytest.raises(RuntimeError, match="checkpoint.pt is damaged"):
-        checkpoint.read(run, verify=True)
+        checkpointing.read(run, verify=True)
 
 
 @pytest.mark.parametrize(("renames", "step"), [(1, 2), (2, 3)])
@@ -343,7 +344,7 @@ def test_a_save_killed_between_its_renames_leaves_an_accepted_checkpoint(
     `renames` of the three (checksums of both, the file, checksums of the new) leaves the old
     or the new checkpoint, accepted by its checksums."""
     run = _copy(runs["single"], tmp_path)
-    path, state, real_replace = run / "checkpoint.pt", checkpoint.read(run), os.replace
+    path, state, real_replace = run / "checkpoint.pt", checkpointing.read(run), os.replace
     done: list[str] = []
 
     def killed(src, dst) -> None:
@@ -354,9 +355,9 @@ def test_a_save_killed_between_its_renames_leaves_an_accepted_checkpoint(
 
     monkeypatch.setattr(os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.write_atomically(path, {**state, "step": 3}, checksum=True)
+        checkpointing.write_atomically(path, {**state, "step": 3}, checksum=True)
     monkeypatch.undo()
-    assert checkpoint.read(run)["step"] == step
+    assert checkpointing.read(run)["step"] == step
 
 
 def test_tied_weights_are_saved_once_in_shards(runs) -> None:
@@ -373,5 +374,5 @@ def test_a_half_written_dcp_step_is_not_a_kept_checkpoint(runs, tmp_path) -> Non
     with pytest.raises(
         errors.MissingFile, match=r"keeps no checkpoint of that step; it keeps steps 2$"
     ):
-        checkpoint.read(run, which=5)
-    assert checkpoint.read(run, which=2)["step"] == 2
+        checkpointing.read(run, which=5)
+    assert checkpointing.read(run, which=2)["step"] == 2

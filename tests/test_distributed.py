@@ -24,6 +24,7 @@ import torch
 import torch.distributed as torch_dist
 from omegaconf import OmegaConf
 
+import checkpointing
 import opt
 from base import distributed
 from base.distributed import Distributed, ParallelDims
@@ -41,7 +42,6 @@ from conftest import (
 from launch.torchrun import descendants, torchrun
 from model import GPT, GPTConfig
 from opt.ddp import apply_ddp, default_knobs
-from recipe import checkpoint
 from recipe.guard import NonFiniteGuard
 from train import train, train_step
 
@@ -156,7 +156,7 @@ def test_fsdp_checkpoints_are_sharded_and_consolidate_to_ddps_layout(runs, tmp_p
     step = folder / (folder / "LATEST").read_text()
     assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not (runs["fsdp"] / "checkpoint.pt").exists()
-    sharded_model, _ = checkpoint.load_model(runs["fsdp"])
+    sharded_model, _ = checkpointing.load_model(runs["fsdp"])
     copy = tmp_path / "run"
     shutil.copytree(runs["fsdp"], copy)
     done = subprocess.run(

@@ -17,7 +17,7 @@ from torch import nn
 
 import opt
 from base import distributed
-from base.distributed import Distributed
+from base.distributed import Distributed, ParallelDims
 from base.errors import ConfigError
 from conftest import ROOT, logged, make_cfg, python, tiny_run, torchrun_output
 from model import GPT, GPTConfig
@@ -122,6 +122,22 @@ def test_knobs_and_stages_it_cannot_run_with_are_refused_in_one_line(overrides, 
     with pytest.raises(ConfigError, match=message) as refused:
         opt.plan(make_cfg("+opt=[amp,float8]", *overrides), MULTI)
     assert "\n" not in str(refused.value)
+
+
+def test_the_checks_against_other_stages_ask_the_plan() -> None:
+    """fsdp_all_gather and emulate are checked against what the plan holds once every stage has
+    planned (FSDP's sharding of several processes, Plan.compiled), not the stages' names."""
+    compiled = Plan(stages=["float8"], batch_size=8, compiled=True)
+    with pytest.raises(ConfigError, match="emulate=true runs eager only"):
+        float8.check_with_plan(_knobs(emulate=True), compiled)
+    float8.check_with_plan(_knobs(emulate=True), Plan(stages=["float8"], batch_size=8))
+    sharded = Plan(stages=["float8"], batch_size=8)
+    sharded.parallel = ParallelDims(2, fully_sharded=True)
+    float8.check_with_plan(_knobs(fsdp_all_gather=True), sharded)
+    one_process = Plan(stages=["float8"], batch_size=8)  # +opt=offload's FSDP: nothing gathered
+    one_process.parallel = ParallelDims(1, fully_sharded=True)
+    with pytest.raises(ConfigError, match=r"add \+opt=fsdp"):
+        float8.check_with_plan(_knobs(fsdp_all_gather=True), one_process)
 
 
 def test_it_composes_with_amp_compile_ac_fsdp_and_the_fused_head() -> None:

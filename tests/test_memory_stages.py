@@ -574,3 +574,20 @@ def test_lowbit_bfloat16_weights_refuse_what_they_cannot_do() -> None:
     )
     assert plan.weights_dtype is torch.bfloat16 and plan.residual_dtype is torch.float32
     assert plan.optimizer_kwargs["bf16_stochastic_round"]
+
+
+@pytest.mark.parametrize(
+    "stage, says",
+    [
+        ("tp", r"tensor parallelism \(\+opt=tp\) splits it"),
+        ("pp", r"the pipeline \(\+opt=pp\) splits it"),
+        ("fsdp", r"FSDP \(\+opt=fsdp\) shards it"),
+    ],
+)
+def test_lowbit_bfloat16_weights_refuse_a_model_split_over_processes(stage, says) -> None:
+    """The weights are cast on the whole model of one process: refused once the plan's parallel
+    layout (set by the splitting stage's plan, after lowbit's phase) splits or shards it."""
+    stages = (f"+opt=[amp,lowbit,{stage}]", "opt.amp.dtype=bfloat16", NO_CLIP)
+    with pytest.raises(ValueError, match=f"weights=bfloat16 casts the whole model.*{says}"):
+        opt.plan(tiny_cfg(*stages, "opt.lowbit.weights=bfloat16"), MULTI)
+    assert opt.plan(tiny_cfg(*stages), MULTI).weights_dtype is None  # float32: split as usual

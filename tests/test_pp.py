@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpointing
 import opt
 from base.distributed import Distributed
 from conftest import ROOT, TINY, launch_agents, logged, make_cfg, tiny_cfg, tool_cfg
 from launch.torchrun import torchrun
 from model import GPT, GPTConfig
 from opt.pp import bubble, prune, stage_starts
-from recipe import checkpoint
 from tools import consolidate_checkpoint, evaluate
 from train import build_optimizer, train
 
@@ -103,7 +103,7 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_and_samples(runs, tmp_path
             torch.testing.assert_close(_metrics(runs[run])[key], values, rtol=RTOL[key], atol=0)
     step = runs["1f1b"] / "checkpoint.dcp" / (runs["1f1b"] / "checkpoint.dcp/LATEST").read_text()
     assert sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    loaded, _ = checkpoint.load_model(runs["1f1b"])
+    loaded, _ = checkpointing.load_model(runs["1f1b"])
     single = torch.load(runs["single"] / "checkpoint.pt", weights_only=True)["model"]
     assert loaded.state_dict().keys() == single.keys()
     for name, tensor in single.items():
@@ -115,11 +115,11 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_and_samples(runs, tmp_path
     copy = tmp_path / "run"
     shutil.copytree(runs["1f1b"], copy)
     consolidate_checkpoint.consolidate(copy)
-    state = checkpoint.read(copy)
+    state = checkpointing.read(copy)
     assert "sharded" not in state
     model = GPT(GPTConfig(**state["model_config"]))
     optimizer = build_optimizer(model, tiny_cfg(*RUN).train, {})
-    checkpoint.restore(state, model, optimizer, torch.amp.GradScaler("cpu", enabled=False))
+    checkpointing.restore(state, model, optimizer, torch.amp.GradScaler("cpu", enabled=False))
     assert len(optimizer.state) == len(list(model.parameters()))
     torch.testing.assert_close(model.state_dict(), loaded.state_dict())
     evaluated = evaluate.evaluate_model(tool_cfg("evaluate", f"run={runs['1f1b']}"))

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpointing
 from conftest import assert_same_run, layout_runs, logged, planned
 from opt.pp import ComputeClock
-from recipe import checkpoint
 
 PER_PIPELINE = "train.batch_size=4"  # each of 2 pipelines: half of conftest's GLOBAL_BATCH
 LAYOUTS = {  # 2 pipelines: each stage FSDP-sharded, or replicated; interleaved: 2 stages a rank
@@ -47,7 +47,7 @@ def test_two_pipelines_match_one_process(runs, name: str) -> None:
     assert ("[opt] fsdp: 2 shards" if fsdp else "[opt] ddp: 2 replicas of each pipeline") in stdout
     # Its checkpoint, read whole in one process (sample.py, tools/): the one process's weights
     # (Adam turns near-zero gradients' rounding into up to a tenth of a step's lr: atol).
-    loaded, _ = checkpoint.load_model(runs[name])
+    loaded, _ = checkpointing.load_model(runs[name])
     single = torch.load(runs["single"] / "checkpoint.pt", weights_only=True)["model"]
     torch.testing.assert_close(loaded.state_dict(), single, rtol=1e-4, atol=2e-4)
 

@@ -18,12 +18,13 @@ import time
 import pytest
 import torch
 
+import checkpointing
 import opt
 from base import errors
 from base.distributed import Distributed
 from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
-from recipe import checkpoint, rundir
+from recipe import rundir
 from recipe.guard import NonFiniteGuard, NonFiniteSteps
 from train import build_optimizer, train, train_step
 
@@ -330,7 +331,7 @@ def test_a_killed_writers_temporary_checkpoint_is_removed_at_the_next_save(tmp_p
     stale.write_bytes(b"half a checkpoint")
     live = tmp_path / f"checkpoint.tmp-{os.getppid()}"  # a process still saving: kept
     live.write_bytes(b"in progress")
-    checkpoint._remove_stale_temporaries(tmp_path)
+    checkpointing.saver._remove_stale_temporaries(tmp_path)
     assert not stale.exists() and live.exists()
 
 
@@ -363,7 +364,7 @@ def test_a_second_ctrl_c_during_a_save_is_an_interruption_not_a_full_disk(
     tmp_path, monkeypatch, capsys
 ) -> None:
     model, optimizer, scaler = _tiny_model_and_optimizer()
-    checkpoint.save(tmp_path, SINGLE, model, optimizer, scaler, step=1, run_state={})
+    checkpointing.save(tmp_path, SINGLE, model, optimizer, scaler, step=1, run_state={})
     good = (tmp_path / "checkpoint.pt").read_bytes()
 
     def interrupted(obj, f, *args, **kwargs):  # as torch.save fails when Ctrl-C unwinds it
@@ -376,7 +377,7 @@ def test_a_second_ctrl_c_during_a_save_is_an_interruption_not_a_full_disk(
     monkeypatch.setattr(torch, "save", interrupted)
     monkeypatch.setattr("sys.argv", ["train.py"])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    save = lambda: checkpoint.save(tmp_path, SINGLE, model, optimizer, scaler, 2, {})  # noqa: E731
+    save = lambda: checkpointing.save(tmp_path, SINGLE, model, optimizer, scaler, 2, {})  # noqa: E731
     with pytest.raises(errors.ReportedExit) as ended:
         errors.main(save)
     assert ended.value.code == errors.INTERRUPTED
@@ -392,7 +393,7 @@ def test_weights_that_are_not_finite_at_a_save_end_the_run_in_one_line(tmp_path,
         next(model.parameters())[0] = float("inf")
     with pytest.raises(errors.ReportedExit) as exit_:
         errors.main(
-            lambda: checkpoint.save(
+            lambda: checkpointing.save(
                 tmp_path, SINGLE, model, optimizer, scaler, step=3, run_state={}
             )
         )
@@ -427,7 +428,7 @@ def test_a_stop_signal_during_the_first_evaluation_stops_the_run_as_any_stop(
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert summary["stopped_by"] == "SIGTERM" and not summary["completed"]
-    assert checkpoint.read(tmp_path)["step"] == summary["step"] < 50
+    assert checkpointing.read(tmp_path)["step"] == summary["step"] < 50
 
 
 def test_wandb_auto_falls_back_to_offline_when_the_server_is_silent(

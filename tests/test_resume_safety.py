@@ -14,9 +14,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from checkpointing import checksums
 from conftest import CONF, ROOT, logged, python, tiny_cfg, tiny_run
 from model import GPT
-from recipe import checkpoint
 
 QUIET = ("sample.num_samples=0", "wandb.mode=disabled", "train.log_interval=1")
 LOWBIT = ("+opt=lowbit", "train.checkpoint_interval=2", *QUIET)
@@ -212,7 +212,7 @@ def test_a_checkpoint_without_a_corpus_identity_resumes_as_before(tmp_path) -> N
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     del state["corpus"]  # as an older version wrote it: without checksums either
     torch.save(state, tmp_path / "checkpoint.pt")
-    checkpoint.checksums_of(tmp_path / "checkpoint.pt").unlink()
+    checksums.checksums_of(tmp_path / "checkpoint.pt").unlink()
     assert tiny_run(tmp_path, "train.max_steps=3", "train.resume=true", *QUIET)["step"] == 3
 
 

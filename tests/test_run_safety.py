@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from base import errors
+from checkpointing import FILENAME
 from conftest import ROOT, TINY, python, tiny_run, tool_cfg, wandb_run_record
 from recipe import config, rundir
-from recipe.checkpoint import FILENAME
 from tools import evaluate as evaluate_app
 from tools import export_hf as export_app
 from tools import sample as sample_app

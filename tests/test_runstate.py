@@ -10,12 +10,12 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
+import checkpointing
 import data
 from base.distributed import Distributed
 from base.errors import ConfigError
 from conftest import tiny_cfg, tiny_run
 from model import GPT, GPTConfig
-from recipe import checkpoint
 from recipe.runstate import RunState
 
 CPU = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -41,16 +41,18 @@ def _as_before(model: GPT) -> dict:
 def test_a_checkpoint_written_as_before_reads_back_and_saves_the_same_keys(tmp_path) -> None:
     model, optimizer, scaler = _tiny()
     before = _as_before(model)
-    checkpoint.save(tmp_path, CPU, model, optimizer, scaler, step=12, run_state=before)
-    run = RunState.from_saved(checkpoint.read(tmp_path))
+    checkpointing.save(tmp_path, CPU, model, optimizer, scaler, step=12, run_state=before)
+    run = RunState.from_saved(checkpointing.read(tmp_path))
     assert (run.step, run.samples, run.wandb_id, run.stages) == (12, 96, "abc123", ["amp"])
     assert run.saved(run.step) == before  # the same keys and values on disk as before
 
 
 def test_the_data_position_follows_this_runs_batch(tmp_path) -> None:
     model, optimizer, scaler = _tiny()
-    checkpoint.save(tmp_path, CPU, model, optimizer, scaler, step=12, run_state=_as_before(model))
-    run = RunState.from_saved(checkpoint.read(tmp_path))
+    checkpointing.save(
+        tmp_path, CPU, model, optimizer, scaler, step=12, run_state=_as_before(model)
+    )
+    run = RunState.from_saved(checkpointing.read(tmp_path))
     run.begin({"now": 1}, model.config, [], optimizer, None, samples_per_step=4)  # a new batch
     assert run.samples_at(12) == 96 and run.samples_at(15) == 96 + 3 * 4
     saved = run.saved(15)
@@ -60,10 +62,10 @@ def test_the_data_position_follows_this_runs_batch(tmp_path) -> None:
 
 def test_restore_puts_the_checkpoint_back_and_lets_it_go(tmp_path) -> None:
     model, optimizer, scaler = _tiny(seed=1)
-    checkpoint.save(tmp_path, CPU, model, optimizer, scaler, step=3, run_state=_as_before(model))
+    checkpointing.save(tmp_path, CPU, model, optimizer, scaler, step=3, run_state=_as_before(model))
     rng = torch.get_rng_state()  # the saved RNG state
     other, other_optimizer, other_scaler = _tiny(seed=2)
-    run = RunState.from_saved(checkpoint.read(tmp_path))
+    run = RunState.from_saved(checkpointing.read(tmp_path))
     run.check_shape(other.config)  # the same shape: accepted
     run.restore(other, other_optimizer, other_scaler, rank=0)
     torch.testing.assert_close(other.state_dict(), model.state_dict())
@@ -74,8 +76,8 @@ def test_restore_puts_the_checkpoint_back_and_lets_it_go(tmp_path) -> None:
 
 def test_a_checkpoint_of_another_shape_is_refused_in_one_line(tmp_path) -> None:
     model, optimizer, scaler = _tiny()
-    checkpoint.save(tmp_path, CPU, model, optimizer, scaler, step=3, run_state=_as_before(model))
-    run = RunState.from_saved(checkpoint.read(tmp_path))
+    checkpointing.save(tmp_path, CPU, model, optimizer, scaler, step=3, run_state=_as_before(model))
+    run = RunState.from_saved(checkpointing.read(tmp_path))
     with pytest.raises(ConfigError, match=r"n_embd=8, this run's has 16: set model.n_embd=8"):
         run.check_shape(_tiny(n_embd=16)[0].config)
     RunState().check_shape(_tiny(n_embd=16)[0].config)  # a new run: nothing to check
@@ -90,6 +92,6 @@ def test_a_new_run_starts_at_zero_with_its_corpus(tmp_path) -> None:
 
 def test_a_resume_with_another_batch_continues_the_data_position(tmp_path) -> None:
     tiny_run(tmp_path, "train.max_steps=2", "train.batch_size=4", *QUIET)
-    assert checkpoint.read(tmp_path)["samples"] == 2 * 4
+    assert checkpointing.read(tmp_path)["samples"] == 2 * 4
     tiny_run(tmp_path, "train.max_steps=3", "train.batch_size=8", "train.resume=true", *QUIET)
-    assert checkpoint.read(tmp_path)["samples"] == 2 * 4 + 8
+    assert checkpointing.read(tmp_path)["samples"] == 2 * 4 + 8

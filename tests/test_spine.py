@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpointing
 from base.distributed import Distributed
 from conftest import PERF_ARGS, FakeBatches, FakeClock, logged, tiny_cfg, tiny_run
-from recipe import checkpoint
 from recipe.metrics import LoopMeter, LossWindow
 
 CPU = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -42,12 +42,12 @@ def test_work_under_paused_is_left_out_of_the_step_times() -> None:
 
 
 def test_the_saver_says_which_steps_save() -> None:
-    every3 = checkpoint.Saver.for_run(Path("unused"), CPU, tiny_cfg(
+    every3 = checkpointing.Saver.for_run(Path("unused"), CPU, tiny_cfg(
         "train.checkpoint_interval=3", "train.max_steps=8", "train.keep_checkpoints=2",
     ).train)  # fmt: skip
     assert [s for s in range(1, 9) if every3.due(s, stopping=False)] == [3, 6, 8]
     assert every3.due(4, stopping=True) and every3.keep == 2
-    never = checkpoint.Saver(Path("unused"), CPU, every=0, max_steps=8)
+    never = checkpointing.Saver(Path("unused"), CPU, every=0, max_steps=8)
     assert not any(never.due(s, stopping=False) for s in range(1, 9))
     assert never.due(5, stopping=True)  # a stop always saves
 
@@ -62,13 +62,13 @@ def test_the_loss_window_is_the_mean_micro_batch_loss_since_the_last_read() -> N
 
 
 def test_a_slow_save_is_logged_and_left_out_of_the_step_times(tmp_path, monkeypatch) -> None:
-    write = checkpoint.write_atomically
+    write = checkpointing.write_atomically
 
     def slow_write(*args, **kwargs) -> None:  # a slow disk
         time.sleep(3.0)
         write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "write_atomically", slow_write)
+    monkeypatch.setattr(checkpointing.saver, "write_atomically", slow_write)
     tiny_run(
         tmp_path, "train.max_steps=3", "train.log_interval=1", "train.checkpoint_interval=2",
         "perf.checkpoint_time=true", "sample.num_samples=0", "wandb.mode=disabled",

@@ -151,3 +151,12 @@ def test_the_selected_stages_hooks_run_with_their_knobs(monkeypatch) -> None:
     for _ in range(2):
         step.optimizer_step(step.forward_backward(x, x), step.clip_grad_norm_(float("inf")))
     assert calls == [("prepare", "bfloat16"), ("after", "bfloat16"), ("after", "bfloat16")]
+
+
+def test_an_evaluation_leaves_out_the_stages_that_spread_training_or_only_step() -> None:
+    """tools/evaluate.py plans a run's stages in one process: without those that spread training
+    over processes, nor lowbit's optimizer (opt.NOT_EVALUATED); the rest keep their knobs."""
+    assert {s.name for s in opt.NOT_EVALUATED} == {"ddp", "fsdp", "pp", "tp", "lowbit"}
+    cfg = make_cfg("+opt=[amp,compile,ddp,fsdp,pp,tp,lowbit]", "opt.amp.dtype=float16")
+    kept = opt.for_evaluation(cfg.opt)
+    assert sorted(kept) == ["amp", "compile"] and kept["amp"].dtype == "float16"

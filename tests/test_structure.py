@@ -17,17 +17,18 @@ ROOMS: dict[str, int] = {
     "model": 1,
     "data": 1,
     "kernels": 1,
-    "recipe": 2,  # the trainer's plumbing
-    "tasks": 3,  # the zero-shot evaluation tasks, beside the stages: both use the plumbing
-    "opt": 3,  # the stages, which configure the plumbing
-    "launch": 4,  # launching: torchrun's commands and stop, the sweep's callbacks, provenance
-    "train": 5,  # the programs
-    "sample": 5,
-    "tools": 5,
-    "measure": 6,  # benchmarks, ladders and reports, which run the programs
-    "scripts": 7,  # the measuring commands' entry points
-    "tests": 8,
-    "conftest": 8,
+    "checkpointing": 2,  # saving, reading and restoring a run's checkpoints
+    "recipe": 3,  # the trainer's plumbing
+    "tasks": 4,  # the zero-shot evaluation tasks, beside the stages: both use the plumbing
+    "opt": 4,  # the stages, which configure the plumbing
+    "launch": 5,  # launching: torchrun's commands and stop, the sweep's callbacks, provenance
+    "train": 6,  # the programs
+    "sample": 6,
+    "tools": 6,
+    "measure": 7,  # benchmarks, ladders and reports, which run the programs
+    "scripts": 8,  # the measuring commands' entry points
+    "tests": 9,
+    "conftest": 9,
 }
 
 
@@ -142,17 +143,19 @@ def test_every_room_s_package_is_installed_and_type_checked() -> None:
 @pytest.mark.parametrize(
     "path,source,expected",
     [
-        ("data/x.py", "from recipe import config\n", "imports recipe.config (room 2)"),
+        ("data/x.py", "from recipe import config\n", "imports recipe.config (room 3)"),
         ("data/x.py", "from base.errors import ConfigError\n", None),
-        ("recipe/x.py", "def f():\n    import opt.amp\n", "imports opt.amp (room 3)"),
+        ("recipe/x.py", "def f():\n    import opt.amp\n", "imports opt.amp (room 4)"),
         ("recipe/x.py", "from . import generate\n", None),
+        ("checkpointing/x.py", "from recipe import runstate\n", "imports recipe.runstate (room 3)"),
+        ("recipe/x.py", "from checkpointing import read\n", None),
         ("base/errors.py", "from data import integrity\n", "imports data.integrity (room 1)"),
         ("tools/x.py", "from train import evaluate\n", "imports train.py"),
-        ("opt/x.py", "from measure import ablate\n", "imports measure.ablate (room 6)"),
+        ("opt/x.py", "from measure import ablate\n", "imports measure.ablate (room 7)"),
         ("measure/x.py", "from tools import loading\n", None),
-        ("measure/x.py", "import scripts.ablate\n", "imports scripts.ablate (room 7)"),
-        ("opt/x.py", "from launch.torchrun import torchrun\n", "imports launch.torchrun (room 4)"),
-        ("launch/x.py", "from tools import generate\n", "imports tools.generate (room 5)"),
+        ("measure/x.py", "import scripts.ablate\n", "imports scripts.ablate (room 8)"),
+        ("opt/x.py", "from launch.torchrun import torchrun\n", "imports launch.torchrun (room 5)"),
+        ("launch/x.py", "from tools import generate\n", "imports tools.generate (room 6)"),
         ("train.py", "from launch import torchrun\n", None),
         ("measure/x.py", "import sys\nsys.path.insert(0, '.')\n", "changes sys.path"),
         ("scripts/x.py", "import sys\nsys.path += ['.']\n", "changes sys.path"),

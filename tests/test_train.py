@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
+import checkpointing
 from base.distributed import Distributed
 from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run, wandb_summary
 from model import GPT, GPTConfig
-from recipe import checkpoint
 from train import train
 
 TRAIN_METRICS = {
@@ -81,10 +81,10 @@ def test_wandbs_summary_is_summary_json(tmp_path) -> None:
     assert {key: in_wandb.get(key) for key in saved} == saved
 
 
-def _stop_after(steps: int) -> type[checkpoint.StopSignal]:
+def _stop_after(steps: int) -> type[checkpointing.StopSignal]:
     """A stand-in for SIGTERM arriving during step `steps` (the loop reads the flag once a step)."""
 
-    class StopAfter(checkpoint.StopSignal):
+    class StopAfter(checkpointing.StopSignal):
         reads = 0
 
         @property
@@ -106,7 +106,7 @@ def test_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path, monkeypatch)
     )  # fmt: skip
     tiny_run(tmp_path / "straight", *args)
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "StopSignal", _stop_after(5))
+        patch.setattr(checkpointing, "StopSignal", _stop_after(5))
         stopped = tiny_run(tmp_path / "resumed", *args)
     assert stopped["step"] == 5 and not stopped["completed"]
     # Only train.resume on the command line: the saved run supplies the rest (its schedule too).
@@ -124,7 +124,7 @@ def test_a_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> 
     optimizer = torch.optim.AdamW(model.parameters())
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     dist = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    checkpoint.save(tmp_path, dist, model, optimizer, scaler, step=1, run_state={})
+    checkpointing.save(tmp_path, dist, model, optimizer, scaler, step=1, run_state={})
     good = (tmp_path / "checkpoint.pt").read_bytes()
 
     def killed_midway(obj, f, *args, **kwargs) -> None:
@@ -133,13 +133,13 @@ def test_a_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> 
 
     monkeypatch.setattr(torch, "save", killed_midway)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, dist, model, optimizer, scaler, step=2, run_state={})
+        checkpointing.save(tmp_path, dist, model, optimizer, scaler, step=2, run_state={})
     assert (tmp_path / "checkpoint.pt").read_bytes() == good
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint.pt",
         "checkpoint.pt.sha256.json",
     ]
-    assert checkpoint.read(tmp_path)["step"] == 1
+    assert checkpointing.read(tmp_path)["step"] == 1
 
 
 def test_resume_without_a_checkpoint_says_what_to_do(tmp_path) -> None:

@@ -10,20 +10,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import checkpointing
 from base import errors
-from recipe import checkpoint
 
 
 def consolidate(run_dir: Path, verify: bool = False) -> Path:
-    state = checkpoint.read(run_dir, verify=verify)
+    state = checkpointing.read(run_dir, verify=verify)
     if "sharded" not in state:
         raise errors.ConfigError(
-            f"{run_dir}'s latest checkpoint is already one file: {checkpoint.FILENAME}"
+            f"{run_dir}'s latest checkpoint is already one file: {checkpointing.FILENAME}"
         )
-    weights = checkpoint.unsharded(state)  # {"model": ..., "optimizer": ...}, unsharded
+    weights = checkpointing.unsharded(state)  # {"model": ..., "optimizer": ...}, unsharded
     del state["sharded"]
-    path = run_dir / checkpoint.FILENAME
-    checkpoint.write_atomically(path, {**weights, **state}, checksum=True)
+    path = run_dir / checkpointing.FILENAME
+    checkpointing.write_atomically(path, {**weights, **state}, checksum=True)
     return path
 
 

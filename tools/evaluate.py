@@ -37,11 +37,6 @@ from tools import loading
 
 config.register_resolvers()  # --help: conf/evaluate.yaml with its comments
 
-# Stages that spread training over processes: one process evaluates, with the rest of the plan.
-SPREADING = ("ddp", "fsdp", "pp", "tp")
-# The optimizer's stage changes nothing evaluated (and would need torchao to plan): left out too.
-OPTIMIZER_ONLY = ("lowbit",)
-
 
 @errors.app(config_name="evaluate")  # @hydra.main, its errors in one line
 def main(cfg: DictConfig) -> None:
@@ -51,7 +46,7 @@ def main(cfg: DictConfig) -> None:
 def run_config(cfg: DictConfig, saved: dict[str, Any] | None, model: GPT) -> DictConfig:
     """The trainer's config this evaluation runs under: the run's saved one (for Hugging Face
     weights, the trainer's defaults), with the model's real shape, and `data=`, `eval_sequences`,
-    `block_size` and `device` on top. Stages that spread training over processes are dropped."""
+    `block_size` and `device` on top; the stages an evaluation runs with (`opt.for_evaluation`)."""
     if saved is None:
         saved = cast(dict[str, Any], OmegaConf.to_container(config.compose([]), resolve=True))
     run_cfg = OmegaConf.create(config.resolved(OmegaConf.create(saved), model.config))
@@ -67,7 +62,7 @@ def run_config(cfg: DictConfig, saved: dict[str, Any] | None, model: GPT) -> Dic
             )
         run_cfg.model.block_size = cfg.block_size
     run_cfg.device = cfg.device
-    run_cfg.opt = {k: v for k, v in run_cfg.opt.items() if k not in SPREADING + OPTIMIZER_ONLY}
+    run_cfg.opt = opt.for_evaluation(run_cfg.opt)  # one process, with the rest of the plan
     config.validate(run_cfg)
     return run_cfg
 

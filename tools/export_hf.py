@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+import checkpointing
 from base import errors
 from data.tokenizer import VOCAB_SIZE, gpt2_encoding, verify_vocab, vocab_dir
 from model import GPT
 from model.gpt import HF_TRANSPOSED
-from recipe import checkpoint, config, rundir
+from recipe import config, rundir
 from tools import loading
 
 config.register_resolvers()  # --help: conf/export_hf.yaml with its comments
@@ -134,7 +135,7 @@ def export_run(cfg: DictConfig) -> Path:
         raise errors.ConfigError("run=<folder> is missing: the training run to export")
     out = output_folder(cfg.out, cfg.force)
     run_dir = loading.run_dir(cfg.run)
-    model, _ = checkpoint.load_model(run_dir, "cpu", verify=cfg.verify, which=cfg.checkpoint)
+    model, _ = checkpointing.load_model(run_dir, "cpu", verify=cfg.verify, which=cfg.checkpoint)
     hf = to_transformers(model)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARK).write_text(json.dumps({"run": str(run_dir.resolve())}) + "\n")  # ours from now

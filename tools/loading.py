@@ -11,9 +11,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+import checkpointing
 from base.errors import ConfigError, FileRefused, MissingFile
 from model import GPT
-from recipe import checkpoint, precision
+from recipe import precision
 
 
 def run_dir(run: str | None) -> Path:
@@ -57,7 +58,7 @@ def load_model(cfg: DictConfig, device: torch.device) -> tuple[GPT, dict[str, An
         )
     if run is not None:
         which = cfg.get("checkpoint", "latest")
-        return checkpoint.load_model(run_dir(run), device, verify=cfg.verify, which=which)
+        return checkpointing.load_model(run_dir(run), device, verify=cfg.verify, which=which)
     return GPT.from_pretrained(pretrained).to(device), None
 
 
