@@ -148,6 +148,8 @@ def test_multi_process_steps_and_base_stages() -> None:
     assert strategies["b4_pp2_tp2"] == "pp x tp" and plans["b4_pp2_tp2"]["gpus"] == 4
     assert plans["b4_tp4"]["overrides"] == [
         "model=gpt2-4b",
+        "train.lr=1.6e-4",
+        "train.min_lr=1.6e-5",
         "train.batch_size=16",
         "opt.tp.degree=4",
     ]

@@ -14,12 +14,14 @@ import torch._dynamo
 from omegaconf import DictConfig, OmegaConf
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import opt  # noqa: E402
 from base import distributed  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from opt.step import reduce_pending_grads  # noqa: E402
 from recipe.guard import NonFiniteGuard  # noqa: E402
 from train import train_step  # noqa: E402
 
@@ -100,10 +102,33 @@ def _pending_grads() -> list[int]:
         return sum(any(x.is_partial() for x in g.placements) for g in grads)
 
     before = pending()
+    grads: dict[str, Any] = {n: p.grad for n, p in model.named_parameters()}
+    params: dict[str, Any] = dict(model.named_parameters())
+    expected = {n: g.redistribute(placements=params[n].placements).to_local()  # one by one
+                for n, g in grads.items()}  # fmt: skip
+    with CollectiveCount() as count:
+        reduce_pending_grads(list(model.parameters()))
+    summed = all(torch.equal(params[n].grad.to_local(), expected[n]) for n in params)
     optimizer, guard = torch.optim.AdamW(model.parameters()), NonFiniteGuard(dist.device, dist, 3)
     scaler = plan.grad_scaler(dist.device)
     opt.build_step(cfg.opt, plan, guard, model, train_model, optimizer, scaler).clip_grad_norm_(0.5)
-    return [before, pending()]
+    return [before, pending(), count.all_reduces, int(summed)]
+
+
+class CollectiveCount(TorchDispatchMode):
+    """Counts the all-reduces dispatched inside it (DTensor's redistributions run them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.all_reduces = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func.overloadpacket in (
+            torch.ops._c10d_functional.all_reduce,
+            torch.ops._c10d_functional.all_reduce_,
+        ):
+            self.all_reduces += 1
+        return func(*args, **(kwargs or {}))
 
 
 world = distributed.init("cpu")
