@@ -2,7 +2,7 @@
 the single-file layout that one process reads, for sampling, evaluation, export or a resume
 anywhere. Runs in one process; needs host memory for the full model and optimizer state.
 
-    python -m tools.consolidate_checkpoint outputs/2026-11-23/10-00-00-1234
+    python -m tools.consolidate_checkpoint outputs/<date>/<time>-<pid>
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ its zero-shot HellaSwag accuracy (`task=hellaswag`, tasks/hellaswag.py, as the t
 `train.hellaswag=true` scores it), or its LAMBADA accuracy and perplexity (`task=lambada`,
 tasks/lambada.py).
 
-    python -m tools.evaluate run=outputs/2026-11-23/10-00-00-1234        # the run's own corpus
+    python -m tools.evaluate run=outputs/<date>/<time>-<pid>        # the run's own corpus
     python -m tools.evaluate run=outputs/... data=text data.files='notes/*.txt' out=eval.json
     python -m tools.evaluate model.pretrained=exported/ eval_sequences=200
     python -m tools.evaluate run=outputs/... task=hellaswag task_file=hellaswag_val.jsonl

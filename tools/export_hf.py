@@ -2,7 +2,7 @@
 `transformers.GPT2LMHeadModel` with GPT-2's tokenizer files, which the rest of the ecosystem
 reads (`from_pretrained`, `pipeline("text-generation")`, `train.py model.pretrained=<out>`).
 
-    python -m tools.export_hf run=outputs/2026-11-23/10-00-00-1234 out=exported/
+    python -m tools.export_hf run=outputs/<date>/<time>-<pid> out=exported/
 
 Our GPT-2 has Hugging Face's module names, so the export is a copy, except that Hugging Face
 stores the attention and MLP weights as Conv1D (transposed), has no padded vocabulary rows (ours

@@ -1,6 +1,6 @@
 """Sample text from a trained model: a training run's folder, or Hugging Face GPT-2 weights.
 
-    python sample.py run=outputs/2026-11-23/10-00-00-1234 prompt="ROMEO:"
+    python sample.py run=outputs/<date>/<time>-<pid> prompt="ROMEO:"
     python sample.py run=outputs/... prompt_file=prompt.txt num_samples=5 out=samples.txt
     python sample.py model.pretrained=exported/ device=cpu     # a save_pretrained dir
     python sample.py --help                                    # every key, conf/sample.yaml
