@@ -10,6 +10,10 @@ per sub-layer forward, one backward. The ranks of a group read the same batch.
 - loss_parallel: the tied head's logits stay split over the vocabulary and the cross-entropy is
   computed on the shards (`loss_parallel()`; `Plan.loss_context` wraps forward and backward);
   the embedding is split over the vocabulary too (row-wise), as it is the same weight.
+- async_tp: Inductor's micro-pipelined tensor parallelism rewrites each compiled all-gather that
+  feeds a matmul (sequence parallelism's, before c_attn and c_fc) into one fused op that
+  multiplies each rank's chunk as it arrives through symmetric memory: the transfer overlaps
+  the multiply instead of preceding it (the collectives a GPT-2 large tp step left exposed).
 
 `c_attn`'s rows are [q; k; v]: a plain column split would give rank 0 all of q and half of k.
 Each rank takes its heads' rows of each third instead (a strided shard), so its q, k and v are
@@ -21,6 +25,7 @@ so that FSDP and gradient clipping see one kind of parameter. The model returns 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -29,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -46,7 +52,7 @@ from base.distributed import Distributed, log, mesh_shape
 from base.errors import ConfigError
 from base.knobs import count
 from model import GPT, GPTConfig
-from opt.stage import Context, Stage
+from opt.stage import Context, Plan, Stage
 
 
 def check_tp_model(degree: int, config: GPTConfig) -> None:
@@ -162,9 +168,15 @@ def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
     """Splits `model`'s matmuls over the mesh's "tp" dimension, in place (parameter names and
     the global weights unchanged)."""
     check_tp_model(cfg.degree, model.config)
+    if cfg.async_tp and dist.device.type != "cuda":
+        raise ConfigError(
+            f"opt.tp.async_tp=true runs its fused ops over symmetric memory, on CUDA GPUs only, "
+            f"not on {dist.device.type}: drop it"
+        )
     # The residual stream between the sub-layers: split over the sequence, or whole.
     stream = residual_stream(dist, cfg.sequence_parallel)
     mesh, residual = stream.mesh, stream.placement
+    enable_async_tp(mesh, cfg.async_tp)
 
     def norm(module: nn.Module) -> None:
         if cfg.sequence_parallel:
@@ -210,7 +222,7 @@ def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
     log(
         f"[opt] tp: {cfg.degree} ranks per group x {dist.dp_size} data-parallel, heads "
         f"{model.config.n_head // cfg.degree} per rank, sequence_parallel="
-        f"{cfg.sequence_parallel}, loss_parallel={cfg.loss_parallel}"
+        f"{cfg.sequence_parallel}, loss_parallel={cfg.loss_parallel}, async_tp={cfg.async_tp}"
     )
 
 
@@ -358,11 +370,40 @@ def _split_strided(
                 own.to_local().copy_(_split_as(whole, own).to_local())
 
 
+def enable_async_tp(mesh: DeviceMesh | None, on: bool) -> None:
+    """Inductor's micro-pipelined tp for the collectives over `mesh` (a process-wide Inductor
+    setting: set by every tp run, reset by every other, as compile's are): the pass fuses the
+    collectives of a group registered for symmetric memory only (torch 2.11 and 2.13 check it),
+    although the registration call is marked deprecated."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config._micro_pipeline_tp = on
+    if on and mesh is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable_symm_mem_for_group(mesh.get_group().group_name)
+
+
+def check_with_plan(knobs: Any, plan: Plan) -> None:
+    """Refuses async_tp where its fusion cannot happen, before any work starts."""
+    if knobs.async_tp and not plan.compiled:
+        raise ConfigError(
+            "opt.tp.async_tp=true fuses collectives with matmuls inside compiled graphs: add "
+            "+opt=compile, or drop it"
+        )
+    if knobs.async_tp and not knobs.sequence_parallel:
+        raise ConfigError(
+            "opt.tp.async_tp=true overlaps sequence parallelism's all-gathers, which "
+            "opt.tp.sequence_parallel=false does not have: set it to true, or drop async_tp"
+        )
+
+
 @dataclass
 class Knobs:
     degree: Annotated[int, count(1)]  # ranks per tensor-parallel group
     sequence_parallel: bool
     loss_parallel: bool
+    async_tp: bool
 
 
 def _plan(ctx: Context) -> None:
@@ -382,6 +423,8 @@ def _plan(ctx: Context) -> None:
 
 STAGE = Stage(
     "tp", "model", lambda ctx: apply_tp(ctx.model, ctx.knobs, ctx.dist), Knobs, plan=_plan,
+    check_plan=lambda ctx: check_with_plan(ctx.knobs, ctx.plan),
+    unselected=lambda ctx: enable_async_tp(None, False),
     conflicts={
         "custom_op": "the fused head + cross-entropy has no vocabulary-parallel form",
         "offload": "offload runs in one process, tp over several",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import opt
 from base.distributed import Distributed
@@ -24,6 +25,8 @@ from conftest import (
     tiny_run,
     torchrun_output,
 )
+from model import GPT, GPTConfig
+from opt.tp import apply_tp
 from train import train
 
 # A constant learning rate, so that a run of 4 steps resumed to 8 is the 8-step run.
@@ -137,6 +140,15 @@ def test_probe_layouts_and_compile(tmp_path) -> None:
     # clipping, which would leave them unclipped on torch 2.11, in one all-reduce (not 11), to
     # the values of summing them one by one.
     assert found.pop("pending_grads") == [11, 0, 1, 1]
+    # opt.tp.async_tp's set-up: the tp group registered for symmetric memory, and Inductor's
+    # pass fuses sequence parallelism's all-gathers into the matmuls that read them (run on a
+    # CPU, the fused op then has no kernel). torch 2.13's pass leaves a torch built without
+    # NCCL (the CPU wheel) alone: there the probe checks the registration only.
+    async_tp = found.pop("async_tp")
+    assert async_tp["registered"]
+    if async_tp["fusable"]:
+        assert async_tp["fused"] == ["symm_mem.fused_all_gather_matmul.default"]
+        assert async_tp["run"] == "symm_mem::fused_all_gather_matmul"
     plain = found.pop("plain")
     compiled = found.pop("compiled")
     assert len(found) == 5  # 4 layouts, and tp with activation checkpointing and accumulation
@@ -164,14 +176,39 @@ def test_probe_layouts_and_compile(tmp_path) -> None:
             2,
             r"^opt.tp.loss_parallel must be one of True, False, got 'maybe'",
         ),
+        (["opt.tp.async_tp=true"], 2, r"^opt.tp.async_tp=true fuses .* add \+opt=compile"),
+        (
+            ["+opt=[tp,compile]", "opt.tp.async_tp=true", "opt.tp.sequence_parallel=false"],
+            2,
+            r"^opt.tp.async_tp=true overlaps sequence parallelism's all-gathers",
+        ),
     ],
-    ids=["n_head", "vocab", "custom_op", "odd_world", "one_process", "degree", "knob"],
+    ids=[
+        "n_head",
+        "vocab",
+        "custom_op",
+        "odd_world",
+        "one_process",
+        "degree",
+        "knob",
+        "async_uncompiled",
+        "async_no_sequence_parallel",
+    ],  # fmt: skip
 )
 def test_what_tp_cannot_do_is_refused_in_one_line(overrides, world: int, message: str) -> None:
     stages = [] if any(o.startswith("+opt=") for o in overrides) else ["+opt=tp"]
     with pytest.raises(ValueError, match=message) as refused:
         opt.plan(make_cfg(*stages, *overrides), _world(world))
     assert "\n" not in str(refused.value)
+
+
+def test_async_tp_is_refused_off_cuda_before_anything_is_split() -> None:
+    """Symmetric memory's fused ops have CUDA kernels only: a CPU run is refused in one line."""
+    cfg = make_cfg("+opt=[tp,compile]", "opt.tp.async_tp=true")
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=60))
+    with pytest.raises(ValueError, match=r"^opt.tp.async_tp=true runs its fused ops .* on CUDA"):
+        apply_tp(model, cfg.opt.tp, _world(2))
+    assert not isinstance(model.transformer.h[0].attn.c_attn.weight, DTensor)  # nothing split
 
 
 def test_the_plan_holds_the_degree_and_the_loss_context() -> None:
@@ -215,3 +252,25 @@ def test_hellaswag_splits_items_by_data_parallel_rank_and_counts_a_tp_group_once
     result = hellaswag.TASK.evaluate(None, [{}] * 8, block_size=8, dist=dist)  # type: ignore[arg-type]
     assert calls == [(1, 2)]
     assert [result[c] for c in hellaswag.CONVENTIONS] == [4 / 8, 3 / 8, 2 / 8]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_async_tp_fuses_the_gathers_and_trains_as_tp_does_on_two_gpus(
+    tmp_path, monkeypatch
+) -> None:
+    """On 2 GPUs: opt.tp.async_tp=true compiles sequence parallelism's all-gathers into
+    symmetric memory's fused all-gather + matmul (Inductor's generated code calls it), and
+    trains as +opt=tp without it does (bfloat16 matmuls in another order: close, not equal)."""
+    run = ("train.py", *TINY, *RUN, "device=cuda", "train.batch_size=4",
+           "+opt=[compile,amp,tp]", "opt.amp.dtype=bfloat16")  # fmt: skip
+    monkeypatch.setenv("TORCH_LOGS", "output_code")
+    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # the code is generated, logged
+    fused = torchrun_output(2, *run, "opt.tp.async_tp=true", f"hydra.run.dir={tmp_path / 'on'}")
+    monkeypatch.delenv("TORCH_LOGS")
+    torchrun_output(2, *run, f"hydra.run.dir={tmp_path / 'off'}")
+    assert "symm_mem.fused_all_gather_matmul" in fused
+    on, off = logged(tmp_path / "on", "train/loss"), logged(tmp_path / "off", "train/loss")
+    torch.testing.assert_close(on, off, rtol=2e-2, atol=0)

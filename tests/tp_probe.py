@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 import torch._dynamo
+import torch._inductor.config as inductor_config
 from omegaconf import DictConfig, OmegaConf
 from torch._dynamo.utils import counters
+from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -22,6 +24,7 @@ import opt  # noqa: E402
 from base import distributed  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from opt.step import reduce_pending_grads  # noqa: E402
+from opt.tp import enable_async_tp, residual_stream  # noqa: E402
 from recipe.guard import NonFiniteGuard  # noqa: E402
 from train import train_step  # noqa: E402
 
@@ -131,6 +134,44 @@ class CollectiveCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _async_tp_fusions() -> dict:
+    """What Inductor's micro-pipelined tp makes of the compiled tp model once `enable_async_tp`
+    has set it up for the tp group: the fused ops in the graphs it compiles (captured after
+    its pass; their kernels exist on CUDA only, so the CPU run itself then fails, expectedly)."""
+    cfg, plan = _plan("tp", "compile", compile={"backend": "inductor"})
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=8, vocab_size=60))
+    dist = world.with_parallel(plan.parallel)
+    train_model = opt.apply_model_stages(model, cfg.opt, plan, dist)
+    mesh = residual_stream(dist, sequence_parallel=True).mesh
+    enable_async_tp(mesh, True)
+    fused: list[str] = []
+
+    def seen(graph: torch.fx.Graph) -> None:
+        fused.extend(str(n.target) for n in graph.nodes if "symm_mem" in str(n.target))
+
+    inductor_config.post_grad_custom_post_pass = seen
+    torch._dynamo.reset()
+    batch = torch.randint(0, 60, (4, 9), generator=torch.Generator().manual_seed(0))
+    try:
+        with plan.loss_context():
+            train_model(batch[:, :-1], batch[:, 1:])[1].backward()
+    except NotImplementedError as e:  # symm_mem's fused ops: CUDA kernels only
+        ran = str(e).split("'")[1] if "'" in str(e) else str(e)[:80]
+    else:
+        ran = "ran"
+    finally:
+        inductor_config.post_grad_custom_post_pass = None
+        enable_async_tp(None, False)
+    return {
+        "registered": is_symm_mem_enabled_for_group(mesh.get_group().group_name),
+        "fused": sorted(set(fused)),
+        "run": ran,
+        # torch 2.13's pass fuses nothing in a torch built without NCCL; 2.11's does
+        "fusable": torch.distributed.is_nccl_available() or torch.__version__ < (2, 13),
+    }
+
+
 world = distributed.init("cpu")
 found: dict = {"plain": _losses()}
 for sp in (True, False):
@@ -146,6 +187,7 @@ found["compiled"] = {
 }
 found["local_fraction"] = _local_fraction()
 found["pending_grads"] = _pending_grads()
+found["async_tp"] = _async_tp_fusions()
 if world.is_main:
     (Path(sys.argv[1]) / "found.json").write_text(json.dumps(found))
 distributed.shutdown()
