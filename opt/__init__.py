@@ -21,10 +21,10 @@ apply). STAGES lists them in the one order they run, whatever order they were li
                                              take the data-parallel dimension of its mesh);
                                              checkpointing is applied before compile so that
                                              compile traces the recomputation; compile works
-                                             on the module (DTensors included; under pp in
-                                             pieces: each block, embed and head), before pp
-                                             splits it into stages that call those pieces, and
-                                             before the data-parallel wrappers (and offload's
+                                             on the module (DTensors included; under pp the
+                                             head, then each stage whole once pp has built it;
+                                             with FSDP in pieces: each block, embed and head),
+                                             and before the data-parallel wrappers (and offload's
                                              FSDP) hook into its parameters and gradients. The
                                              attention kernel is set after compile, which
                                              traces at the first step and so sees it, and whose

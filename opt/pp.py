@@ -547,8 +547,13 @@ def _plan(ctx: Context) -> None:
 
 
 def _apply(ctx: Context) -> torch.nn.Module:
-    """Each rank keeps its stages of the model; the pipeline runs them."""
-    return apply_pp(ctx.model, ctx.knobs, ctx.dist, ctx.plan)
+    """Each rank keeps its stages of the model; the pipeline runs them, each compiled whole
+    where +opt=compile left it that (`Plan.compile_later`)."""
+    pipeline = apply_pp(ctx.model, ctx.knobs, ctx.dist, ctx.plan)
+    if ctx.plan.compile_later is not None:
+        for stage in pipeline.stages:
+            ctx.plan.compile_later(stage)
+    return pipeline
 
 
 STAGE = Stage(

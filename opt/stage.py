@@ -90,6 +90,9 @@ class Plan:
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     tp_sequence_parallel: bool = False  # +opt=tp: the residual stream split over the sequence
     compiled: bool = False  # +opt=compile: the first steps compile (the loop's meter says so)
+    # +opt=compile's, when a later stage builds the modules that run (a pipeline's stages, each
+    # compiled whole once built): compiles a module's forward as one graph. None: nothing to do.
+    compile_later: Callable[[torch.nn.Module], None] | None = None
     step_in_backward: bool = False  # opt_in_backward: each block steps from its grad hooks
     clip_in_backward: float = float("inf")  # opt_in_backward: train.grad_clip, norm estimated
     attention_kernel: str | None = None  # what computes attention, as profiled (opt/attention.py)

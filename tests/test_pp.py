@@ -50,7 +50,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     train(tiny_cfg(*RUN), root / "single", overrides=[*TINY, *RUN])
     for name in ("gpipe", "interleaved_1f1b"):
         _pp(root / name, *SCHEDULES[name])
-    _pp(root / "compiled", "opt.compile.backend=aot_eager", stages="pp,compile")  # per block
+    _pp(
+        root / "compiled",
+        "opt.compile.backend=aot_eager",
+        "opt.compile.fullgraph=true",
+        stages="pp,compile",
+    )  # each stage whole
     # 1f1b: stopped at step 4, resumed on the pipeline (-> 1f1b) and in one process.
     _pp(root / "1f1b", *SCHEDULES["1f1b"], "train.max_steps=4")
     shutil.copytree(root / "1f1b", root / "on_one")
@@ -82,12 +87,13 @@ def test_each_schedule_matches_one_process(runs, schedule: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_compile_composes_per_block(runs) -> None:
-    """Each block, embed and head compiled whole (fullgraph: a graph break fails the run)."""
+def test_compile_composes_as_one_graph_per_stage(runs) -> None:
+    """Each rank's stage compiled as one graph once built (its blocks and, on the first, the
+    embeddings), the head and loss as another (fullgraph: a graph break fails the run)."""
     for key, values in _metrics(runs["single"]).items():
         torch.testing.assert_close(_metrics(runs["compiled"])[key], values, rtol=RTOL[key], atol=0)
     assert (
-        "[opt] compile: each block, embed and head"
+        "[opt] compile: the head now, each pipeline stage whole once +opt=pp has built them"
         in (runs["compiled"].parent / "compiled.log").read_text()
     )
 
