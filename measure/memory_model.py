@@ -201,6 +201,7 @@ class Setup:
     ddp: DictConfig | None  # DDP's knobs when several processes run without FSDP or a mesh
     sharded: str = ""  # fsdp | offload | "" (not sharded)
     gathered: int = 4  # bytes per value of FSDP's all-gathered parameters
+    unit_blocks: int = 1  # blocks FSDP gathers as one unit (opt.fsdp.blocks_per_unit)
     stored: int = 4  # bytes per value of the weights and their gradients (opt.lowbit.weights)
     replicated: bool = False  # FSDP2's replicate: data parallelism on a mesh, without FSDP
     tp: int = 1  # +opt=tp's degree
@@ -266,6 +267,7 @@ def plan_setup(cfg: DictConfig, nproc: int) -> Setup:
         ddp=(o.get("ddp") or opt.ddp.default_knobs())
         if data_parallel and not parallel.meshed else None,
         sharded=sharded, gathered=2 if pure else 4,
+        unit_blocks=o.fsdp.blocks_per_unit if sharded == "fsdp" else 1,
         stored=p.weights_dtype.itemsize if p.weights_dtype is not None else 4,
         replicated=data_parallel and parallel.meshed, tp=parallel.tp,
         sequence_parallel=parallel.tp_enabled and p.tp_sequence_parallel, pp=pp,
@@ -545,12 +547,13 @@ def autocast_copies(s: Shapes, u: Setup) -> dict[str, float]:
 def comm_buckets(s: Shapes, u: Setup) -> dict[str, float]:
     """Per rank. DDP: its gradient buckets (every gradient, float32) exist from construction on;
     with gradient_as_bucket_view the gradients are views into them (no second copy), else the
-    gradients are copied in. FSDP and offload: the all-gathered (copied-in) block being run and
-    the one prefetched (gathered dtype), and in backward a block's unsharded gradients for its
-    reduce-scatter (float32); in a pipeline every block this rank ran backward through stays
-    gathered until its last micro-batch. FSDP2's replicate: one flat float32 copy of the root's
-    gradients for the all-reduce, at backward's end. A pipeline's receive buffers: the step's
-    residual stream (this rank's share) per buffer, from the first step on."""
+    gradients are copied in. FSDP and offload: the all-gathered (copied-in) unit being run and
+    the one prefetched (gathered dtype; a unit is opt.fsdp.blocks_per_unit blocks), and in
+    backward a unit's unsharded gradients for its reduce-scatter (float32); in a pipeline every
+    block this rank ran backward through stays gathered until its last micro-batch. FSDP2's
+    replicate: one flat float32 copy of the root's gradients for the all-reduce, at backward's
+    end. A pipeline's receive buffers: the step's residual stream (this rank's share) per
+    buffer, from the first step on."""
     split = u.tp if u.sequence_parallel else 1
     pipe = (
         u.pipe_buffers * u.tokens * u.pp.microbatches * s.n_embd * u.residual / split
@@ -562,8 +565,8 @@ def comm_buckets(s: Shapes, u: Setup) -> dict[str, float]:
     if u.replicated:
         return moments(all=pipe, backward_end=pipe + 4 * s.params)
     if u.sharded:
-        gathered = 2 * s.block * u.gathered
-        reduce = 4 * s.block
+        gathered = 2 * s.block * u.unit_blocks * u.gathered
+        reduce = 4 * s.block * u.unit_blocks
         kept = u.gathered * (s.params - s.root) if u.pp is not None else gathered
         return moments(
             all=gathered + pipe, backward=kept + reduce + pipe, backward_end=kept + reduce + pipe,

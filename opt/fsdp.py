@@ -2,9 +2,14 @@
 optimizer state are split over the processes, each holding about 1/W of them; a block's full
 parameters are all-gathered just before it runs and freed after, gradients are reduce-scattered.
 
-Each transformer block is its own unit (so only one block is unsharded at a time), then the root
-takes the embeddings and the head; under +opt=pp each pipeline stage is a root, sharded over the
-data-parallel dimension of the mesh (several pipelines).
+Each transformer block is its own unit (so only one block is unsharded at a time), or each run of
+`blocks_per_unit` consecutive blocks (fewer, larger all-gathers and reduce-scatters, and one
+set of FSDP hooks per unit: FSDP2 on GPT-2 124M was host-bound, its per-block hooks and
+compiled calls taking twice the GPU's step, traced), then the root takes the embeddings and the
+head; under +opt=pp each pipeline stage is a root, sharded over the data-parallel dimension of
+the mesh (several pipelines). The last unit keeps its parameters gathered after forward even
+with `reshard_after_forward`: backward starts with it, so freeing them would only gather them
+again at once.
 
 With +opt=amp, `mixed_precision` chooses the math:
 - autocast (default): float32 parameters are all-gathered and autocast runs the matmuls in the
@@ -57,8 +62,11 @@ def apply_fsdp(
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda")
     if dist.parallel.mesh is not None:  # +opt=tp, +opt=pp, HSDP: the mesh's data-parallel dims
         kwargs["mesh"] = dist.parallel.shard_mesh
-    for block in model.transformer.h.children():  # a ModuleDict of this rank's blocks under pp
-        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    units = _units(list(model.transformer.h.children()), cfg.blocks_per_unit)
+    for i, unit in enumerate(units):  # under pp, this rank's blocks (a ModuleDict)
+        last = i == len(units) - 1
+        reshard = cfg.reshard_after_forward and not last
+        fully_shard(unit[0] if len(unit) == 1 else unit, reshard_after_forward=reshard, **kwargs)
     # The root's parameters (embeddings, final norm) are needed again at once by the tied head.
     for root in roots or [model]:
         fully_shard(root, reshard_after_forward=False, **kwargs)
@@ -67,15 +75,22 @@ def apply_fsdp(
     hsdp = mesh is not None and mesh.ndim == 2
     layout = f"{mesh.size(0)} replicas x {mesh.size(1)}" if hsdp else f"{dist.dp_size}"
     log(
-        f"[opt] fsdp: {layout} shards, reshard_after_forward={cfg.reshard_after_forward}"
+        f"[opt] fsdp: {layout} shards, {len(units)} units of up to {cfg.blocks_per_unit} "
+        f"block(s), reshard_after_forward={cfg.reshard_after_forward} (not the last unit)"
         f", cpu_offload={cfg.cpu_offload}, compute in {precision}"
     )
     return model
 
 
+def _units(blocks: list[torch.nn.Module], size: int) -> list[list[torch.nn.Module]]:
+    """`blocks` in runs of `size` consecutive ones (the last run may be shorter)."""
+    return [blocks[i : i + size] for i in range(0, len(blocks), size)]
+
+
 @dataclass
 class Knobs:
     reshard_after_forward: bool
+    blocks_per_unit: Annotated[int, count(1)]  # consecutive blocks gathered as one unit
     cpu_offload: bool
     mixed_precision: MixedPrecision
     replicas: Annotated[int, count(1)]  # HSDP: replicas of the model, each sharded (1: FSDP)

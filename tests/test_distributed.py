@@ -42,6 +42,7 @@ from conftest import (
 from launch.torchrun import descendants, torchrun
 from model import GPT, GPTConfig
 from opt.ddp import apply_ddp, default_knobs
+from opt.fsdp import apply_fsdp
 from recipe.guard import NonFiniteGuard
 from train import train, train_step
 
@@ -395,6 +396,21 @@ def _settings(ddp) -> dict:
         "static_graph": ddp.static_graph,
         "broadcast_buffers": ddp.broadcast_buffers,
     }
+
+
+def test_fsdp_units_group_blocks_and_the_last_stays_gathered(group_of_one) -> None:
+    """opt.fsdp.blocks_per_unit=2 over 5 blocks: units of 2, 2 and 1 block(s), each one FSDP
+    state its blocks share; every unit but the last (where backward starts) reshards after
+    forward."""
+    model = GPT(GPTConfig(n_layer=5, n_head=2, n_embd=16, block_size=8, vocab_size=64))
+    knobs = OmegaConf.load(Path(opt.__file__).parents[1] / "conf/opt/fsdp.yaml").fsdp
+    knobs.blocks_per_unit = 2
+    apply_fsdp(model, knobs, group_of_one, amp_dtype=None)
+    states = [block._get_fsdp_state() for block in model.transformer.h]
+    assert states[0] is states[1] and states[2] is states[3]
+    assert len({id(state) for state in states}) == 3
+    resharded = [s._fsdp_param_group.post_forward_mesh_info is not None for s in states[::2]]
+    assert resharded == [True, True, False]
 
 
 def test_every_multi_process_run_uses_the_yaml_ddp_knobs(group_of_one) -> None:

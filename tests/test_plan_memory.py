@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as torch_dist
-from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from base.distributed import Distributed, ParallelDims
@@ -336,7 +335,7 @@ def test_each_ranks_weights_are_the_parameters_the_split_leaves_it(tp_pair, pipe
     overrides = ["model=tiny", f"+opt={stages}", f"nproc={4 if pipeline else 2}"]
     cfg, _, _ = plan_memory.compose(overrides)
     planned = _ranks(*overrides)
-    knobs = OmegaConf.create({"degree": 2, "sequence_parallel": True, "loss_parallel": True})
+    knobs = cfg.opt.tp
     starts = stage_starts(memory_model.meta_model(cfg), None, 2)
     for rank, prediction in enumerate(planned):
         model = GPT(memory_model.meta_model(cfg).config)
