@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import ConfigError
-from conftest import ROOT, python
+from helpers import ROOT, python
 from measure import ablate, ladder_results, ladder_table, ladders, runner, stats
 
 
@@ -33,7 +33,7 @@ def test_a_gpu_ladder_without_a_gpu_is_refused_naming_the_quick_ladder(monkeypat
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ladders.CONF / "ladder").glob("*.yaml")))
 def test_every_ladder_composes_into_valid_train_configs(name: str) -> None:
-    from conftest import make_cfg
+    from helpers import make_cfg
 
     ladder = ladders.read(name)
     for plan in ladders.step_plans(ladder):
@@ -48,7 +48,7 @@ def test_every_ladder_step_is_planned_on_its_process_count(name: str) -> None:
     process count that pp x tp divides, micro-batches that divide the batch)."""
     import warnings
 
-    from conftest import planned
+    from helpers import planned
 
     ladder = ladders.read(name)
     for plan in ladders.step_plans(ladder):
@@ -165,7 +165,7 @@ def test_memory_xl_rows_drop_what_cannot_combine_and_keep_16k_tokens() -> None:
 
     import opt
     from base.distributed import Distributed
-    from conftest import make_cfg
+    from helpers import make_cfg
 
     ladder = ladders.read("memory_xl")
     plans = {p["name"]: p for p in ladders.step_plans(ladder)}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import ROOT
+from helpers import ROOT
 from measure import ablate, ladder_chart, ladder_profile, ladder_results, runner, step_budget
 
 SPEED = {"baseline": [100.0, 110.0], "bs": [200.0, 210.0], "workers": [201.0, 205.0]}

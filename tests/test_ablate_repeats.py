@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from base.errors import ConfigError
-from conftest import ROOT
+from helpers import ROOT
 from measure import ablate, ladder_chart, ladder_results, ladders, runner, stats
 
 chart = ladder_chart.chart  # the real one, which most tests here replace (a second per run)

@@ -13,8 +13,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import checkpointing
-from conftest import ROOT, logged, python, tiny_cfg, tiny_run, tool_cfg
 from data.tokenizer import gpt2_encoding
+from helpers import ROOT, logged, python, tiny_cfg, tiny_run, tool_cfg
 from model import GPT
 from tools import evaluate as evaluate_app
 from tools import export_hf as export_app

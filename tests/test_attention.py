@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 import opt
 from base.distributed import Distributed
 from base.errors import ConfigError
-from conftest import make_cfg, tiny_cfg, tiny_run
+from helpers import make_cfg, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from opt import attention
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib.figure
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from measure import ablate, ladder_chart, ladders, quality
 
 H100 = ROOT / "docs" / "results" / "nvidia-h100-80gb-hbm3"

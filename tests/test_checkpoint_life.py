@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import checkpointing
 from base.distributed import Distributed
-from conftest import make_cfg, tiny_run
+from helpers import make_cfg, tiny_run
 from model import GPT, GPTConfig
 from tools import loading
 from train import train
@@ -223,7 +223,7 @@ def test_a_failed_background_save_surfaces_at_the_next_save_and_at_the_end(
 def test_the_tools_configs_choose_a_kept_checkpoint(tmp_path) -> None:
     from hydra import compose, initialize_config_dir
 
-    from conftest import CONF
+    from helpers import CONF
     from tools import sample as sample_app
 
     run = tmp_path / "run"

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 import checkpointing
 from base import distributed, errors
 from checkpointing import checksums, safe_load
-from conftest import CONF, ROOT, python, tiny_run
+from helpers import CONF, ROOT, python, tiny_run
 from model import GPT, GPTConfig
 from opt.fsdp import apply_fsdp
 from tools import consolidate_checkpoint as consolidate_app

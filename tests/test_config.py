@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, make_cfg, python
+from helpers import CONF, ROOT, make_cfg, python
 from model import GPT, GPTConfig
 from train import build_model
 

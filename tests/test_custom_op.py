@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import opt
 from base.distributed import Distributed
-from conftest import ROOT, compiled_against_eager, logged, make_cfg, python, tiny_cfg, toy_gpt
+from helpers import ROOT, compiled_against_eager, logged, make_cfg, python, tiny_cfg, toy_gpt
 from kernels import linear_cross_entropy
 from measure import bench_head
 from model import GPT

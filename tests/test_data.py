@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import data
-from conftest import ROOT, make_cfg, python
 from data.prepare import DOC_SEPARATOR, cache_folder, prepare
 from data.preprocess import preprocess
 from data.sources import load_documents
 from data.tokenizer import EOT, gpt2_encoding, verify_vocab, vocab_dir
+from helpers import ROOT, make_cfg, python
 
 
 def test_tokenizer_is_gpt2() -> None:

@@ -24,10 +24,10 @@ import torch
 import data
 import data.integrity
 import data.sources
-from conftest import ROOT, make_cfg, python
 from data.prepare import cache_folder, prepare, read_meta, remove_stale_tmp_folders, verify
 from data.windows import TokenWindows
 from data.workers import WorkerInit, hardened_forks
+from helpers import ROOT, make_cfg, python
 
 preparation = importlib.import_module("data.prepare")  # `data.prepare` is the function
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, PR_SET_PDEATHSIG")

@@ -28,7 +28,7 @@ import checkpointing
 import opt
 from base import distributed
 from base.distributed import Distributed, ParallelDims
-from conftest import (
+from helpers import (
     ROOT,
     RUN_4_STEPS,
     TINY,

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 import opt
 from base import errors
 from base.distributed import Distributed
-from conftest import ROOT, RUN_4_STEPS, TINY, make_cfg, python, tiny_cfg, tiny_run, torchrun_output
+from helpers import ROOT, RUN_4_STEPS, TINY, make_cfg, python, tiny_cfg, tiny_run, torchrun_output
 from recipe import config
 from recipe.guard import NonFiniteSteps
 from train import train

@@ -17,7 +17,7 @@ import torch
 import data
 import opt
 from base.distributed import Distributed
-from conftest import ROOT, python, tiny_cfg
+from helpers import ROOT, python, tiny_cfg
 from model import GPT, GPTConfig
 
 SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

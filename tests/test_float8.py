@@ -19,7 +19,7 @@ import opt
 from base import distributed
 from base.distributed import Distributed, ParallelDims
 from base.errors import ConfigError
-from conftest import ROOT, logged, make_cfg, python, tiny_run, torchrun_output
+from helpers import ROOT, logged, make_cfg, python, tiny_run, torchrun_output
 from model import GPT, GPTConfig
 from opt import float8
 from opt.stage import Context, Plan

@@ -13,7 +13,7 @@ import torch
 import data
 import opt
 from base.distributed import Distributed
-from conftest import compiled_against_eager, make_cfg, tiny_cfg
+from helpers import compiled_against_eager, make_cfg, tiny_cfg
 from measure import step_budget
 from model import GPT, GPTConfig
 from recipe.guard import NonFiniteGuard

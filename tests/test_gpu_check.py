@@ -11,7 +11,7 @@ import torch
 
 import opt
 from base.distributed import Distributed
-from conftest import ROOT, make_cfg, python
+from helpers import ROOT, make_cfg, python
 from measure import gpu_check, ladders
 from recipe import config
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import logged, make_cfg
+from helpers import logged, make_cfg
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,7 +86,7 @@ def test_offload_keeps_the_state_in_host_memory_and_is_exact(tmp_path) -> None:
 def test_offload_checkpoints_and_resumes(tmp_path) -> None:
     """The offloaded (FSDP, one process) model and optimizer state go through checkpoint.save
     and restore: a resumed run continues the straight one."""
-    from conftest import tiny_run
+    from helpers import tiny_run
 
     args = ("device=cuda", "+opt=[amp,fused,offload]", "opt.amp.dtype=bfloat16",
             "train.checkpoint_interval=2", "sample.num_samples=0", "wandb.mode=disabled",

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import opt
 from base.distributed import Distributed
 from base.errors import ConfigError
-from conftest import ROOT, custom_op_knobs, logged, python, tiny_cfg, toy_gpt
+from helpers import ROOT, custom_op_knobs, logged, python, tiny_cfg, toy_gpt
 from kernels import library_heads, linear_cross_entropy
 from measure import bench_head
 from model import GPT

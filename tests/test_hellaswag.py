@@ -18,8 +18,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from base.distributed import Distributed
-from conftest import CONF, ROOT, TINY, logged, tiny_run
 from data.tokenizer import gpt2_encoding
+from helpers import CONF, ROOT, TINY, logged, tiny_run
 from launch.torchrun import torchrun
 from model import GPT, GPTConfig
 from tasks import hellaswag

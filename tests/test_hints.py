@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, logged
+from helpers import ROOT, TINY, logged
 from launch.torchrun import torchrun
 from measure import ladder_results, ladders
 from train import closing_line
@@ -161,7 +161,7 @@ def test_every_documented_run_is_planned_on_its_process_count(
     showed +opt=tp on GPT-2 XL, whose 25 heads do not split over 2 ranks)."""
     import warnings
 
-    from conftest import planned
+    from helpers import planned
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. float16 on a CPU
@@ -173,7 +173,7 @@ def test_the_hint_for_an_unclosed_list_suggests_an_override_that_composes() -> N
     from hydra.errors import OverrideParseException
 
     from base.errors import hydra_message
-    from conftest import make_cfg
+    from helpers import make_cfg
 
     with pytest.raises(OverrideParseException) as e:
         OverridesParser.create().parse_overrides(["+opt=[amp,compile"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Layouts, assert_holds_the_weights_of, assert_same_run, layout_runs, planned
+from helpers import Layouts, assert_holds_the_weights_of, assert_same_run, layout_runs, planned
 
 HSDP = ["opt.fsdp.replicas=2", "train.batch_size=2"]  # 4 data-parallel ranks, 8 sequences
 LAYOUTS: Layouts = {

@@ -18,8 +18,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from base.distributed import Distributed
-from conftest import CONF
 from data.tokenizer import gpt2_encoding
+from helpers import CONF
 from model import GPT, GPTConfig
 from tasks import Task, lambada
 from tools import evaluate as evaluate_app

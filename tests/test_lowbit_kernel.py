@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import ROOT, python
+from helpers import ROOT, python
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton not installed"

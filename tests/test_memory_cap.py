@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, make_cfg, tiny_run
+from helpers import ROOT, make_cfg, tiny_run
 from measure import ablate, ladder_chart, ladder_results, ladders, runner
 from recipe import config
 from recipe.hardware import GiB, cap_memory

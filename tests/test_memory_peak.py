@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, python
+from helpers import ROOT, python
 from measure import memory_peak
 
 

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import opt
 from base import distributed
 from base.distributed import Distributed
-from conftest import CONF, logged, tiny_cfg, tiny_run
+from helpers import CONF, logged, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from opt.opt_in_backward import _NormEstimate

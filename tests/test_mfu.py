@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import CONF, make_cfg
+from helpers import CONF, make_cfg
 from model import GPT
 from opt.ac import apply_ac
 from opt.custom_op import apply_custom_op

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from conftest import make_cfg
+from helpers import make_cfg
 from model import GPT, GPTConfig
 from train import build_model
 

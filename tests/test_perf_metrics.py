@@ -17,7 +17,7 @@ import torch
 
 import recipe.metrics
 import train as train_module
-from conftest import PERF_ARGS, ROOT, TINY, FakeBatches, FakeClock, logged, make_cfg, tiny_run
+from helpers import PERF_ARGS, ROOT, TINY, FakeBatches, FakeClock, logged, make_cfg, tiny_run
 from opt.compile import apply_compile
 from recipe.metrics import LoopMeter, gpu_counters
 

@@ -25,7 +25,7 @@ import torch.distributed as torch_dist
 from torch.distributed.tensor import DTensor
 
 from base.distributed import Distributed, ParallelDims
-from conftest import ROOT, python
+from helpers import ROOT, python
 from measure import memory_model, plan_memory
 from model import GPT
 from opt.pp import prune, stage_starts

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_run
+from helpers import tiny_run
 from measure import plot
 
 RUN = ("train.max_steps=2", "train.log_interval=1", "train.eval_interval=2",
@@ -106,7 +106,7 @@ def test_a_single_run_prints_no_table(capsys) -> None:
 def test_a_real_sweep_prints_its_table_and_plots_its_jobs(tmp_path) -> None:
     import subprocess
 
-    from conftest import ROOT, TINY, python
+    from helpers import ROOT, TINY, python
 
     sweep = [python(), "train.py", "-m", *TINY, *RUN, "train.lr=1e-3,2e-3",
              f"hydra.sweep.dir={tmp_path}"]  # fmt: skip
@@ -131,7 +131,7 @@ def test_a_malformed_run_folder_is_refused_in_one_line(tmp_path, file, content, 
     import re
     import subprocess
 
-    from conftest import ROOT, python
+    from helpers import ROOT, python
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 3.0}\n')
     (tmp_path / file).write_text(content)

@@ -14,7 +14,7 @@ import torch
 import checkpointing
 import opt
 from base.distributed import Distributed
-from conftest import ROOT, TINY, launch_agents, logged, make_cfg, tiny_cfg, tool_cfg
+from helpers import ROOT, TINY, launch_agents, logged, make_cfg, tiny_cfg, tool_cfg
 from launch.torchrun import torchrun
 from model import GPT, GPTConfig
 from opt.pp import bubble, prune, stage_starts

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import checkpointing
-from conftest import assert_same_run, layout_runs, logged, planned
+from helpers import assert_same_run, layout_runs, logged, planned
 from opt.pp import ComputeClock
 
-PER_PIPELINE = "train.batch_size=4"  # each of 2 pipelines: half of conftest's GLOBAL_BATCH
+PER_PIPELINE = "train.batch_size=4"  # each of 2 pipelines: half of helpers' GLOBAL_BATCH
 LAYOUTS = {  # 2 pipelines: each stage FSDP-sharded, or replicated; interleaved: 2 stages a rank
     "fsdp": (4, ["+opt=[pp,fsdp]", PER_PIPELINE]),
     "ddp": (4, ["+opt=pp", PER_PIPELINE]),

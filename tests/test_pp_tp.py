@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
+from helpers import (
     GLOBAL_BATCH,
     Layouts,
     assert_holds_the_weights_of,

@@ -17,9 +17,9 @@ import torch
 
 import opt
 from base.distributed import Distributed
-from conftest import CONF, ROOT, make_cfg, python, tiny_cfg, tiny_run
 from data.prepare import describe
 from data.sources import _text_files
+from helpers import CONF, ROOT, make_cfg, python, tiny_cfg, tiny_run
 from measure import ladders
 from opt.amp import resolve_dtype
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, python
+from helpers import ROOT, python
 from measure import quality, stats
 
 REFERENCE = [5.081, 5.090, 5.074, 5.086]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, fake_vs_nanogpt_result
+from helpers import ROOT, fake_vs_nanogpt_result
 from measure import ladders, render_readme
 
 README = ROOT / "README.md"

@@ -22,7 +22,7 @@ import checkpointing
 import opt
 from base import errors
 from base.distributed import Distributed
-from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run
+from helpers import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from recipe import rundir
 from recipe.guard import NonFiniteGuard, NonFiniteSteps

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, python
+from helpers import ROOT, python
 
 
 @pytest.mark.slow

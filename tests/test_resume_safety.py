@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from checkpointing import checksums
-from conftest import CONF, ROOT, logged, python, tiny_cfg, tiny_run
+from helpers import CONF, ROOT, logged, python, tiny_cfg, tiny_run
 from model import GPT
 
 QUIET = ("sample.num_samples=0", "wandb.mode=disabled", "train.log_interval=1")

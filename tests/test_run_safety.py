@@ -19,7 +19,7 @@ import pytest
 
 from base import errors
 from checkpointing import FILENAME
-from conftest import ROOT, TINY, python, tiny_run, tool_cfg, wandb_run_record
+from helpers import ROOT, TINY, python, tiny_run, tool_cfg, wandb_run_record
 from recipe import config, rundir
 from tools import evaluate as evaluate_app
 from tools import export_hf as export_app

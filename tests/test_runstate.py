@@ -14,7 +14,7 @@ import checkpointing
 import data
 from base.distributed import Distributed
 from base.errors import ConfigError
-from conftest import tiny_cfg, tiny_run
+from helpers import tiny_cfg, tiny_run
 from model import GPT, GPTConfig
 from recipe.runstate import RunState
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, python
+from helpers import ROOT, python
 from measure import save_stall
 
 H100 = ROOT / "docs/results/nvidia-h100-80gb-hbm3"

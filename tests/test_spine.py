@@ -12,7 +12,7 @@ import torch
 
 import checkpointing
 from base.distributed import Distributed
-from conftest import PERF_ARGS, FakeBatches, FakeClock, logged, tiny_cfg, tiny_run
+from helpers import PERF_ARGS, FakeBatches, FakeClock, logged, tiny_cfg, tiny_run
 from recipe.metrics import LoopMeter, LossWindow
 
 CPU = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import opt
 from base.distributed import Distributed
-from conftest import make_cfg, planned
+from helpers import make_cfg, planned
 from model import GPT, GPTConfig
 from opt.opt_in_backward import InBackwardStep, StepInBackward
 from opt.stage import PHASES

@@ -20,7 +20,7 @@ import data
 import opt
 from base import distributed
 from base.distributed import Distributed
-from conftest import CONF, compiled_against_eager, logged, make_cfg, planned, tiny_cfg
+from helpers import CONF, compiled_against_eager, logged, make_cfg, planned, tiny_cfg
 from model import GPT, GPTConfig
 from opt.ac import apply_ac
 from recipe.guard import NonFiniteGuard

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 # Lowest first. A module is in the room of the longest prefix that names it.
 ROOMS: dict[str, int] = {
@@ -28,7 +28,7 @@ ROOMS: dict[str, int] = {
     "measure": 7,  # benchmarks, ladders and reports, which run the programs
     "scripts": 8,  # the measuring commands' entry points
     "tests": 9,
-    "conftest": 9,
+    "helpers": 9,  # tests/helpers.py, as the tests import it
 }
 
 
@@ -173,19 +173,21 @@ def test_the_check_sees_an_upward_import_and_a_sys_path_edit(path, source, expec
 
 
 def imported_test_modules(path: Path, source: str) -> list[str]:
-    """The test modules that the file imports, lazy imports too, one line each."""
+    """The test modules that the file imports, and conftest (whose fixtures pytest hands out),
+    lazy imports too, one line each."""
     where = path.relative_to(ROOT)
     tree = ast.parse(source, filename=str(path))
     return [
-        f"{where}:{line}: imports {module}: move what it shares to tests/conftest.py"
+        f"{where}:{line}: imports {module}: move what it shares to tests/helpers.py"
         for line, module in imported(tree, module_name(path))
-        if any(part.startswith("test_") for part in module.split("."))
+        if any(part.startswith("test_") or part == "conftest" for part in module.split("."))
     ]
 
 
 def test_no_test_module_imports_another() -> None:
-    """The tests share helpers through one module, tests/conftest.py: no test module imports
-    another (which would also run the imported module's import-time code, and tie the two)."""
+    """The tests share helpers through one module, tests/helpers.py: no test module imports
+    another, nor conftest (which would also run the imported module's import-time code, and tie
+    the two)."""
     files = sorted((ROOT / "tests").glob("test_*.py"))
     assert ROOT / "tests/test_structure.py" in files
     found = [v for p in files for v in imported_test_modules(p, p.read_text(encoding="utf-8"))]
@@ -199,7 +201,8 @@ def test_no_test_module_imports_another() -> None:
         ("def f():\n    from test_distributed import RUN\n", "imports test_distributed:"),
         ("import tests.test_tp\n", "imports tests.test_tp:"),
         ("from . import test_tp\n", "imports tests.test_tp:"),
-        ("import pytest\nfrom conftest import ROOT, torchrun_output\n", None),
+        ("from conftest import ROOT\n", "imports conftest:"),
+        ("import pytest\nfrom helpers import ROOT, torchrun_output\n", None),
     ],
 )
 def test_the_check_sees_a_test_module_imported(source, expected) -> None:

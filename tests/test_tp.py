@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import opt
 from base.distributed import Distributed
-from conftest import (
+from helpers import (
     TINY,
     assert_holds_the_weights_of,
     logged,

@@ -12,7 +12,7 @@ import torch
 
 import checkpointing
 from base.distributed import Distributed
-from conftest import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run, wandb_summary
+from helpers import ROOT, TINY, make_cfg, python, tiny_cfg, tiny_run, wandb_summary
 from model import GPT, GPTConfig
 from train import train
 

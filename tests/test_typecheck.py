@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 # A GPU-only test as they are written: unannotated, so mypy checks its body only when configured
 # to (check_untyped_defs), and CI on a CPU skips it, so only the type check can see the call.

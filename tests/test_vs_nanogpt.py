@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import fake_vs_nanogpt_result, vs_nanogpt_config
+from helpers import fake_vs_nanogpt_result, vs_nanogpt_config
 from measure import vs_nanogpt
 
 BENCH_OUTPUT = """Compiling model...
@@ -151,7 +151,7 @@ def test_run_one_runs_bench_py_from_a_copy_of_its_folder(tmp_path) -> None:
 
 @pytest.mark.slow  # a tiny train.py in a subprocess: ~20 s of CPU
 def test_run_one_reads_our_runs_tokens_per_sec(tmp_path) -> None:
-    from conftest import TINY
+    from helpers import TINY
 
     tiny = [o for o in TINY if not o.startswith(("wandb.", "sample."))]
     argv = [sys.executable, "train.py", *tiny, *vs_nanogpt.OURS_RUN, "train.eval_sequences=4"]
