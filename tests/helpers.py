@@ -315,7 +315,7 @@ LAYOUT_RUN = (
     "train.eval_sequences=8",
 )  # fmt: skip
 # The dp ranks reduce gradients in another order than one process: float rounding, amplified a
-# little by Adam in the gradient norm (as in tests/test_tp.py).
+# little by Adam in the gradient norm (as in tests/distributed/test_tp.py).
 LAYOUT_RTOL = {"train/loss": 1e-5, "val/loss": 1e-5, "train/grad_norm": 1e-3}
 GLOBAL_BATCH = "train.batch_size=8"
 Layouts = dict[str, tuple[int, list[str]]]  # name: (processes, the stages and knobs)

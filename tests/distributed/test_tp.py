@@ -36,7 +36,7 @@ RUN = (
 )  # fmt: skip
 CPU = torch.device("cpu")
 # The tp ranks reduce partial sums in another order than one process: float rounding, amplified
-# a little by Adam in the gradient norm (as in tests/test_distributed.py).
+# a little by Adam in the gradient norm (as in tests/distributed/test_distributed.py).
 RTOL = {"train/loss": 1e-5, "val/loss": 1e-5, "train/grad_norm": 1e-3}
 
 
@@ -133,7 +133,7 @@ def test_probe_layouts_and_compile(tmp_path) -> None:
     clipping has run (the pending ones summed in one collective), and
     compile (scope model or block, and in fullgraph pieces under FSDP; aot_eager) neither
     breaks the graph nor runs eagerly."""
-    torchrun_output(2, "tests/tp_probe.py", str(tmp_path))
+    torchrun_output(2, "tests/distributed/tp_probe.py", str(tmp_path))
     found = json.loads((tmp_path / "found.json").read_text())
     assert found.pop("local_fraction") < 0.6  # the matmuls split in two, the norms whole
     # 2 LayerNorms x 2 blocks + ln_f, weights and biases, and the positions: summed before

@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under `torchrun --nproc_per_node=2`: checks of DDP and FSDP2
+"""Run by test_distributed.py under `torchrun --nproc_per_node=2`: checks of DDP and FSDP2
 that need several processes, on CPUs (gloo; compiled with the quick aot_eager backend) or with
 `cuda` as the second argument on two GPUs (NCCL; Inductor). Each rank writes its findings to
 <out>/rank<r>.json."""
@@ -16,7 +16,7 @@ import torch.distributed as torch_dist
 from omegaconf import DictConfig, OmegaConf
 from torch._dynamo.utils import counters
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import opt  # noqa: E402
 from base import distributed  # noqa: E402
@@ -24,7 +24,7 @@ from model import GPT, GPTConfig  # noqa: E402
 from recipe.guard import NonFiniteGuard  # noqa: E402
 from train import train_step  # noqa: E402
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def _toy() -> GPT:

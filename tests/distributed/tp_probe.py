@@ -1,4 +1,4 @@
-"""Run by tests/test_tp.py under `torchrun --nproc_per_node=2` (gloo, CPUs): +opt=tp's numbers
+"""Run by test_tp.py under `torchrun --nproc_per_node=2` (gloo, CPUs): +opt=tp's numbers
 against the plain model in this same process, for each layout knob, and compile over the
 DTensor program (aot_eager) with what dynamo captured. Rank 0 writes <out>/found.json."""
 
@@ -18,7 +18,7 @@ from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import opt  # noqa: E402
 from base import distributed  # noqa: E402
@@ -28,7 +28,7 @@ from opt.tp import enable_async_tp, residual_stream  # noqa: E402
 from recipe.guard import NonFiniteGuard  # noqa: E402
 from train import train_step  # noqa: E402
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 STEPS = 3
 
 

@@ -1,7 +1,8 @@
 """A run loses nothing: non-finite steps are skipped and never checkpointed, run folders are
 never shared or clobbered, a signalled process group checkpoints, a resume may change the stages
 but not the model, bad numbers are refused before any work, and no temporary file outlives its
-writer. (Bad data and unsafe pickles: tests/test_data_safety.py, tests/test_memory_peak.py.)"""
+writer. (Bad data and unsafe pickles: tests/unit/test_data_safety.py,
+tests/harness/test_memory_peak.py.)"""
 
 from __future__ import annotations
 

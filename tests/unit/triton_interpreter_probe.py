@@ -1,4 +1,4 @@
-"""Run by tests/test_custom_op.py with TRITON_INTERPRET=1 (which triton reads when it is first
+"""Run by test_custom_op.py with TRITON_INTERPRET=1 (which triton reads when it is first
 imported, hence a process of its own): the fused head's Triton kernel on CPU tensors, against
 the PyTorch reference. Prints one JSON line: {case: [loss error, gradient error, tolerance]}."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels.linear_cross_entropy import (  # noqa: E402
     GRAD8_SCALE,

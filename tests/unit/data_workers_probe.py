@@ -1,7 +1,7 @@
-"""A training process's view of its DataLoader workers, for tests/test_data_safety.py, which runs
+"""A training process's view of its DataLoader workers, for test_data_safety.py, which runs
 it in a process group of its own and signals the whole group, as a scheduler does:
 
-    python tests/data_workers_probe.py
+    python tests/unit/data_workers_probe.py
 
 It reads a batch from a loader with 2 workers and prints `ready`; it handles SIGTERM and SIGINT
 itself (as the trainer does), and once it has seen both it reads 20 more batches (more than the
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import data  # noqa: E402
 from data.windows import RandomTokens  # noqa: E402

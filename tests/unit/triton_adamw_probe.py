@@ -1,4 +1,4 @@
-"""Run by tests/test_lowbit_kernel.py with TRITON_INTERPRET=1 (which triton reads when it is first
+"""Run by test_lowbit_kernel.py with TRITON_INTERPRET=1 (which triton reads when it is first
 imported, hence a process of its own), or on a GPU by the same test's CUDA variant: +opt=lowbit's
 fused update (kernels/triton_adamw8bit.py) against torchao's own update, over several steps.
 Prints one JSON line: {case: measurement}."""
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from omegaconf import OmegaConf  # noqa: E402
 

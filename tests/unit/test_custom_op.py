@@ -2,7 +2,7 @@
 head's loss and gradients, under every precision and stage it composes with, is really called
 (and the full logits never exist), and compiles as one graph. CPU tests run the PyTorch
 reference; the Triton kernel runs here through Triton's interpreter (if triton is installed)
-and on a GPU in the `gpu`-marked tests (`pytest -m gpu tests/test_custom_op.py`)."""
+and on a GPU in the `gpu`-marked tests (`pytest -m gpu tests/unit/test_custom_op.py`)."""
 
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ def test_a_run_with_the_stage_matches_the_baseline(tmp_path, capsys) -> None:
 
 def test_ddp_reduces_the_fused_gradients(tmp_path) -> None:
     """DDP's hooks see the operator's gradients like any others (a world of one process; two
-    processes with FSDP: tests/test_distributed.py)."""
+    processes with FSDP: tests/distributed/test_distributed.py)."""
     import torch.distributed as dist
 
     idx, targets = torch.randint(0, 60, (2, 8)), torch.randint(0, 60, (2, 8))
@@ -304,11 +304,11 @@ def test_the_benchmark_harness_runs_and_reports(tmp_path) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_the_triton_kernel_in_the_interpreter_matches_the_reference() -> None:
     """TRITON_INTERPRET must be set before triton is imported, so this runs in a fresh process
-    (tests/triton_interpreter_probe.py): one-pass and two-pass kernels, float32 and bfloat16,
+    (tests/unit/triton_interpreter_probe.py): one-pass and two-pass kernels, float32 and bfloat16,
     alone and inside the chunked operator, against the PyTorch reference."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run(
-        [python(), "tests/triton_interpreter_probe.py"],
+        [python(), "tests/unit/triton_interpreter_probe.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

@@ -2,7 +2,7 @@
 backward, op-level checkpointing, CPU offload, low-bit state, and all of them at once (the
 memory_xl ladder's row on GPT-2 124M). Skipped without CUDA; on a GPU machine:
 
-    pytest -q -m gpu tests/test_gpu_memory.py
+    pytest -q -m gpu tests/gpu/test_gpu_memory.py
 """
 
 from __future__ import annotations

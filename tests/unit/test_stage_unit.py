@@ -1,11 +1,10 @@
 """What a stage is (opt/stage.py): each module declares its stage; STAGES both orders and applies
-them; the knobs are typed and checked before any work (tests/test_errors.py runs a bad knob of
+them; the knobs are typed and checked before any work (tests/runs/test_errors.py runs a bad knob of
 every stage through train() with an empty data cache)."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,13 +12,13 @@ from omegaconf import OmegaConf
 
 import opt
 from base.distributed import Distributed
-from helpers import make_cfg, planned
+from helpers import ROOT, make_cfg, planned
 from model import GPT, GPTConfig
 from opt.opt_in_backward import InBackwardStep, StepInBackward
 from opt.stage import PHASES
 from recipe.guard import NonFiniteGuard
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "opt"
+CONF = ROOT / "conf" / "opt"
 SINGLE = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 

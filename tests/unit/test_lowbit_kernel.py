@@ -22,11 +22,11 @@ needs_triton = pytest.mark.skipif(
 
 
 def _probe(device: str, interpreted: bool) -> dict[str, float]:
-    """tests/triton_adamw_probe.py in a process of its own (TRITON_INTERPRET is read when triton
-    is first imported)."""
+    """tests/unit/triton_adamw_probe.py in a process of its own (TRITON_INTERPRET is read when
+    triton is first imported)."""
     env = {**os.environ, "TRITON_INTERPRET": "1" if interpreted else "0"}
     out = subprocess.run(
-        [python(), "tests/triton_adamw_probe.py", device],
+        [python(), "tests/unit/triton_adamw_probe.py", device],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

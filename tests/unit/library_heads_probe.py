@@ -1,4 +1,4 @@
-"""Run by tests/test_head_backends.py with TRITON_INTERPRET=1 (which triton reads when it is first
+"""Run by test_head_backends.py with TRITON_INTERPRET=1 (which triton reads when it is first
 imported, hence a process of its own): the real libraries behind `opt.custom_op.backend`, called
 through kernels/library_heads.py on CPU tensors, against the plain head in float32. liger runs
 its Triton kernel in Triton's interpreter; cut-cross-entropy's Triton kernel does not run there,
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels.library_heads import LOSSES  # noqa: E402
 

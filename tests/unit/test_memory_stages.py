@@ -356,7 +356,7 @@ def test_amp_without_its_weight_cache_frees_the_casts_under_checkpointing() -> N
 
 def test_offload_to_host_is_exact_and_shards_everything() -> None:
     """The stage's FSDP2 with CPU offload, on a group of this one process: the same steps as
-    without it. (On a CPU run the stage itself does nothing; tests/test_gpu_memory.py runs it
+    without it. (On a CPU run the stage itself does nothing; tests/gpu/test_gpu_memory.py runs it
     on a GPU.)"""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     from torch.distributed.tensor import DTensor

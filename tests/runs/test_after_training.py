@@ -207,7 +207,7 @@ def test_export_refuses_a_folder_with_other_files_and_a_foreign_vocabulary(run, 
         export_app.main.__wrapped__(tool_cfg("export_hf", f"run={small}", f"out={tmp_path}/x"))
 
 
-# ---- on a GPU (skipped here; run with `pytest -m gpu tests/test_after_training.py`)
+# ---- on a GPU (skipped here; run with `pytest -m gpu tests/runs/test_after_training.py`)
 
 
 @pytest.mark.gpu

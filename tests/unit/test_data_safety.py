@@ -341,7 +341,7 @@ def _kill(pids: list[int]) -> None:
 @LINUX
 def test_loader_workers_survive_the_groups_stop_signals_and_die_with_their_parent() -> None:
     probe = subprocess.Popen(
-        [python(), "tests/data_workers_probe.py"], cwd=ROOT, stdout=subprocess.PIPE,
+        [python(), "tests/unit/data_workers_probe.py"], cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     workers: list[int] = []

@@ -1,4 +1,5 @@
-"""The report scripts: the quality check (the recipe against nanoGPT: tests/test_vs_nanogpt.py)."""
+"""The report scripts: the quality check (the recipe against nanoGPT:
+tests/harness/test_vs_nanogpt.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (kernels/library_heads.py). Both libraries are GPU (Triton) code and not installed here, so the
 wrappers are checked against fakes with each library's exact parameter list (the fakes compute
 the plain math); where a library is installed, the fakes' parameter lists are checked against
-the real ones, and the real functions run on the CPU (tests/library_heads_probe.py: liger in
+the real ones, and the real functions run on the CPU (tests/unit/library_heads_probe.py: liger in
 Triton's interpreter, cut-cross-entropy through its own PyTorch implementation)."""
 
 from __future__ import annotations
@@ -206,12 +206,12 @@ def test_the_fakes_have_the_real_libraries_parameter_lists(backend: str) -> None
 
 
 def test_the_real_libraries_give_the_plain_heads_numbers_on_cpu() -> None:
-    """tests/library_heads_probe.py in a process of its own (TRITON_INTERPRET=1)."""
+    """tests/unit/library_heads_probe.py in a process of its own (TRITON_INTERPRET=1)."""
     installed = [b for b, m in MODULES.items() if importlib.util.find_spec(m.split(".")[0])]
     if not installed or importlib.util.find_spec("triton") is None:
         pytest.skip("neither library (with triton) is installed")
     out = subprocess.run(
-        [python(), "tests/library_heads_probe.py", *installed],
+        [python(), "tests/unit/library_heads_probe.py", *installed],
         cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
@@ -256,7 +256,7 @@ def test_bench_head_times_an_installed_library_on_the_same_inputs(
         assert max(row["rel_error"].values()) < 1e-2, row  # bfloat16 against float32
 
 
-# ---- on a GPU (`pytest -m gpu tests/test_head_backends.py`, with the libraries installed)
+# ---- on a GPU (`pytest -m gpu tests/unit/test_head_backends.py`, with the libraries installed)
 
 
 def _on_gpu_with(backend: str):

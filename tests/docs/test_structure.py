@@ -188,8 +188,8 @@ def test_no_test_module_imports_another() -> None:
     """The tests share helpers through one module, tests/helpers.py: no test module imports
     another, nor conftest (which would also run the imported module's import-time code, and tie
     the two)."""
-    files = sorted((ROOT / "tests").glob("test_*.py"))
-    assert ROOT / "tests/test_structure.py" in files
+    files = sorted((ROOT / "tests").rglob("test_*.py"))  # each kind's folder
+    assert ROOT / "tests/docs/test_structure.py" in files
     found = [v for p in files for v in imported_test_modules(p, p.read_text(encoding="utf-8"))]
     assert not found, "\n".join(found)
 
@@ -200,13 +200,13 @@ def test_no_test_module_imports_another() -> None:
         ("from test_tp import torchrun_output\n", "imports test_tp:"),
         ("def f():\n    from test_distributed import RUN\n", "imports test_distributed:"),
         ("import tests.test_tp\n", "imports tests.test_tp:"),
-        ("from . import test_tp\n", "imports tests.test_tp:"),
+        ("from . import test_tp\n", "imports tests.distributed.test_tp:"),
         ("from conftest import ROOT\n", "imports conftest:"),
         ("import pytest\nfrom helpers import ROOT, torchrun_output\n", None),
     ],
 )
 def test_the_check_sees_a_test_module_imported(source, expected) -> None:
-    found = imported_test_modules(ROOT / "tests/test_x.py", source)
+    found = imported_test_modules(ROOT / "tests/distributed/test_x.py", source)  # beside test_tp
     if expected is None:
         assert found == []
     else:

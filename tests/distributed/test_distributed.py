@@ -231,7 +231,7 @@ def _check_probe(out: Path) -> None:
 
 @pytest.mark.distributed
 def test_probe_fsdp_ddp_compile_and_mixed_precision(tmp_path) -> None:
-    torchrun_output(2, "tests/distributed_probe.py", str(tmp_path))
+    torchrun_output(2, "tests/distributed/distributed_probe.py", str(tmp_path))
     _check_probe(tmp_path)
 
 
@@ -240,7 +240,7 @@ def test_probe_fsdp_ddp_compile_and_mixed_precision(tmp_path) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_probe_on_two_gpus(tmp_path) -> None:
     """The same checks with NCCL and Inductor: compile breaks nothing under DDP and FSDP."""
-    torchrun_output(2, "tests/distributed_probe.py", str(tmp_path), "cuda")
+    torchrun_output(2, "tests/distributed/distributed_probe.py", str(tmp_path), "cuda")
     _check_probe(tmp_path)
 
 

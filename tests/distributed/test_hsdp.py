@@ -4,7 +4,7 @@ processes (a machine's, in a real run), the gradients all-reduced between replic
 (gloo, float32): 2 replicas x 2 shards on 4 processes, and with +opt=tp or +opt=pp (2 x 2 x 2
 on 8), give one process's losses with the same global batch; their checkpoints, read whole or
 resumed in one process, hold its weights. The planning rules, in this process (the planner's
-share: tests/test_plan_memory.py)."""
+share: tests/harness/test_plan_memory.py)."""
 
 from __future__ import annotations
 
