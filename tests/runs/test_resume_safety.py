@@ -55,7 +55,7 @@ def test_a_lowbit_checkpoint_holds_plain_tensors(lowbit_run) -> None:
 
 
 @pytest.mark.slow
-def test_the_tools_read_a_lowbit_run_without_torchao(lowbit_run, tmp_path) -> None:
+def test_smoke_the_tools_read_a_lowbit_run_without_torchao(lowbit_run, tmp_path) -> None:
     """In fresh processes, which never import torchao: sample, evaluate, export (the test
     above is the fast check that the checkpoint holds no torchao class)."""
     for command in (

@@ -206,7 +206,7 @@ def test_text_loader_preprocesses_in_the_dataset(shakespeare) -> None:
     assert enc.decode(plain.tolist()) != enc.decode(plain.tolist()).lower()
 
 
-def test_prepare_script(tmp_path) -> None:
+def test_smoke_prepare_script(tmp_path) -> None:
     (tmp_path / "a.txt").write_text("some text to prepare\n" * 500)
     out = subprocess.run(
         [python(), "scripts/prepare_data.py", "data=text", f"data.files={tmp_path}/a.txt"],

@@ -94,7 +94,7 @@ def test_the_reproduce_presets_step_half_a_million_tokens_on_8_gpus() -> None:
     "name",
     [pytest.param(n, marks=pytest.mark.slow) if n == "gpu24gb-xl" else n for n in PRESETS],
 )  # gpu24gb-xl: ~18 s, torchao's update compiled by Inductor on the CPU
-def test_each_preset_runs_on_a_cpu(tmp_path: Path, name: str) -> None:
+def test_smoke_each_preset_runs_on_a_cpu(tmp_path: Path, name: str) -> None:
     summary = tiny_run(tmp_path, f"preset={name}", *SMOKE, *SHRINK[name])
     assert summary["completed"] and torch.isfinite(torch.tensor(summary["val/loss"]))
     assert f"preset={name}" in (tmp_path / "overrides.yaml").read_text()  # what a resume rebuilds
