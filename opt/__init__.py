@@ -23,7 +23,8 @@ apply). STAGES lists them in the one order they run, whatever order they were li
                                              compile traces the recomputation; compile works
                                              on the module (DTensors included; under pp the
                                              head, then each stage whole once pp has built it;
-                                             with FSDP in pieces: each block, embed and head),
+                                             with FSDP or tp in pieces: each block, embed and
+                                             head),
                                              and before the data-parallel wrappers (and offload's
                                              FSDP) hook into its parameters and gradients. The
                                              attention kernel is set after compile, which

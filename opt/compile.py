@@ -8,7 +8,7 @@ activations through memory.
   would skip the whole forward and run it eagerly): the same code is compiled in the pieces
   between those hooks instead, each block, `embed` and `head` (the final norm, the tied head
   and the loss), each as one graph (fullgraph), as torchtitan does.
-- Under a pipeline (+opt=pp) without FSDP, scope=model compiles each pipeline stage's forward
+- Under a pipeline (+opt=pp) without FSDP or tp, scope=model compiles each pipeline stage's forward
   (its blocks, with the embeddings on the first) as one graph, once +opt=pp has built the
   stages (`Plan.compile_later`), and the head with the loss, which the schedule's loss function
   runs, as one more: a rank runs its stage once per micro-batch, and per-block
@@ -147,7 +147,7 @@ def apply_compile(
             _compile_method(block, "forward", fullgraph=True, **options)
         for method in ("embed", "head"):  # called by the model's own forward
             _compile_method(model, method, fullgraph=True, **options)
-        pieces = "each block, embed and head (FSDP's hooks run between them), fullgraph"
+        pieces = "each block, embed and head (FSDP's hooks or a pipeline between them), fullgraph"
     else:
         for block in model.transformer.h:
             _compile_method(block, "forward", fullgraph=cfg.fullgraph, **options)
@@ -180,10 +180,16 @@ class Knobs:
 
 def _apply(ctx: Context) -> None:
     # Under FSDP (and offload's FSDP), in pieces: each block, embed and head. Under pp alone,
-    # each stage whole, once built; with scope=block (or FSDP) its blocks, embed and head.
+    # each stage whole, once built; with scope=block, FSDP or tp its blocks, embed and head (a
+    # tp stage's residual stream enters and leaves DTensor inside it: compiled whole, its
+    # backward recursed without end on torch 2.13, reproduced on CPUs).
     parallel = ctx.plan.parallel
     pieces = parallel.fully_sharded or parallel.pp_enabled
-    later = parallel.pp_enabled and not parallel.fully_sharded and ctx.knobs.scope == "model"
+    later = (
+        parallel.pp_enabled
+        and not (parallel.fully_sharded or parallel.tp_enabled)
+        and ctx.knobs.scope == "model"
+    )
     compile_forward = apply_compile(
         ctx.model, ctx.knobs, sharded=pieces, amp_dtype=ctx.plan.amp_dtype, later=later
     )

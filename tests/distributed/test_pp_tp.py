@@ -1,8 +1,7 @@
 """+opt=pp with +opt=tp: each pipeline stage's blocks split over a tp group, each tp
 rank's part of the residual stream carried by its own pipeline (a pp x dp x tp mesh, tp
 innermost). On CPUs (gloo, float32, 4 blocks): pp=2 x tp=2 on 4 processes (1f1b; and
-interleaved with the stream and the loss whole on every tp rank, each stage compiled whole),
-and
+interleaved with the stream and the loss whole on every tp rank, compiled per piece), and
 pp=2 x fsdp=2 x tp=2 on 8, give one process's losses with the same global batch over 8 steps;
 their checkpoints, read whole or resumed in one process, hold the one process's weights."""
 
@@ -23,8 +22,7 @@ from helpers import (
 LAYOUTS: Layouts = {
     "pp_tp": (4, ["+opt=[pp,tp]", GLOBAL_BATCH]),
     # Interleaved (2 stages a rank), the residual stream and the loss whole on every tp rank,
-    # and each stage compiled as one graph, the head as another (fullgraph: a graph break fails
-    # the run).
+    # and each block, embed and head compiled whole (fullgraph: a graph break fails the run).
     "interleaved_whole_compiled": (4, [
         "+opt=[pp,tp,compile]", GLOBAL_BATCH, "opt.pp.schedule=interleaved_1f1b",
         "opt.pp.stages_per_rank=2", "opt.tp.sequence_parallel=false",
