@@ -68,6 +68,7 @@ def offload_to_host(
     knobs = OmegaConf.create(
         {
             "reshard_after_forward": cfg.reshard_after_forward,
+            "blocks_per_unit": 1,
             "cpu_offload": True,
             "mixed_precision": "autocast",
             "replicas": 1,

@@ -44,8 +44,8 @@ def _shard(run: Path, step: int | None = None, keep: int = 1) -> None:
     try:
         dist = distributed.Distributed(rank=0, local_rank=0, world_size=1, device=cpu)
         model = GPT(GPTConfig(**state["model_config"]))
-        knobs = {"reshard_after_forward": True, "cpu_offload": False, "mixed_precision": "autocast",
-                 "replicas": 1}  # fmt: skip
+        knobs = {"reshard_after_forward": True, "blocks_per_unit": 1, "cpu_offload": False,
+                 "mixed_precision": "autocast", "replicas": 1}  # fmt: skip
         apply_fsdp(model, OmegaConf.create(knobs), dist, None)
         optimizer = build_optimizer(model, OmegaConf.create(state["config"]).train, {})
         scaler = torch.amp.GradScaler(enabled=False)
