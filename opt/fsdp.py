@@ -38,7 +38,7 @@ from opt.stage import Context, Stage
 MixedPrecision = Literal["autocast", "pure"]
 
 
-def pure_low_precision(cfg: DictConfig) -> bool:
+def pure_low_precision(cfg: DictConfig | Knobs) -> bool:
     """Whether FSDP casts the parameters itself (`mixed_precision=pure`), so that autocast is
     off; with `autocast`, +opt=amp's autocast runs as without FSDP."""
     return cfg.mixed_precision == "pure"
@@ -46,7 +46,7 @@ def pure_low_precision(cfg: DictConfig) -> bool:
 
 def apply_fsdp(
     model: torch.nn.Module,
-    cfg: DictConfig,
+    cfg: DictConfig | Knobs,
     dist: Distributed,
     amp_dtype: torch.dtype | None,
     roots: list[torch.nn.Module] | None = None,

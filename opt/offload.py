@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as torch_dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from base.distributed import Distributed, init_process_group, log
-from opt.fsdp import apply_fsdp
+from opt import fsdp
 from opt.stage import Context, Stage
 
 
@@ -65,16 +65,11 @@ def offload_to_host(
     With +opt=amp the forward autocasts as it would without offload (FSDP's `autocast` mode)."""
     if not torch_dist.is_initialized():
         init_process_group(dist.device, rank=0, world_size=1, store=torch_dist.HashStore())
-    knobs = OmegaConf.create(
-        {
-            "reshard_after_forward": cfg.reshard_after_forward,
-            "blocks_per_unit": 1,
-            "cpu_offload": True,
-            "mixed_precision": "autocast",
-            "replicas": 1,
-        }
-    )
-    apply_fsdp(model, knobs, dist, amp_dtype)
+    knobs = fsdp.Knobs(  # every field named: a knob fsdp gains must be chosen here too
+        reshard_after_forward=cfg.reshard_after_forward, blocks_per_unit=1, cpu_offload=True,
+        mixed_precision="autocast", replicas=1,
+    )  # fmt: skip
+    fsdp.apply_fsdp(model, knobs, dist, amp_dtype)
     pinned = "pinned " if dist.device.type == "cuda" else ""
     log(
         f"[opt] offload: parameters, gradients and AdamW state in {pinned}host memory (FSDP2 "

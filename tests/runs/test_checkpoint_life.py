@@ -76,9 +76,7 @@ def test_dcp_keeps_the_last_n_step_folders(tmp_path, background) -> None:
     distributed.init_process_group(CPU.device, rank=0, world_size=1, store=torch_dist.HashStore())
     try:
         model, _, scaler = _tiny()
-        knobs = {"reshard_after_forward": True, "blocks_per_unit": 1, "cpu_offload": False,
-                 "mixed_precision": "autocast", "replicas": 1}  # fmt: skip
-        apply_fsdp(model, OmegaConf.create(knobs), CPU, None)
+        apply_fsdp(model, make_cfg("+opt=fsdp").opt.fsdp, CPU, None)
         optimizer = torch.optim.AdamW(model.parameters())
         saver = checkpointing.Saver(tmp_path, CPU, keep=2, keep_best=True, async_save=background)
         for step, loss in ((1, 3.0), (2, 2.0), (3, 2.5)):

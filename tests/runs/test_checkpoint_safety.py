@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 import checkpointing
 from base import distributed, errors
 from checkpointing import checksums, safe_load
-from helpers import CONF, ROOT, python, tiny_run
+from helpers import CONF, ROOT, make_cfg, python, tiny_run
 from model import GPT, GPTConfig
 from opt.fsdp import apply_fsdp
 from tools import consolidate_checkpoint as consolidate_app
@@ -44,9 +44,7 @@ def _shard(run: Path, step: int | None = None, keep: int = 1) -> None:
     try:
         dist = distributed.Distributed(rank=0, local_rank=0, world_size=1, device=cpu)
         model = GPT(GPTConfig(**state["model_config"]))
-        knobs = {"reshard_after_forward": True, "blocks_per_unit": 1, "cpu_offload": False,
-                 "mixed_precision": "autocast", "replicas": 1}  # fmt: skip
-        apply_fsdp(model, OmegaConf.create(knobs), dist, None)
+        apply_fsdp(model, make_cfg("+opt=fsdp").opt.fsdp, dist, None)
         optimizer = build_optimizer(model, OmegaConf.create(state["config"]).train, {})
         scaler = torch.amp.GradScaler(enabled=False)
         checkpointing.restore(state, model, optimizer, scaler)
