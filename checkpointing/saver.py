@@ -29,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from base.distributed import Distributed
@@ -133,6 +134,7 @@ class Saver:
         started = time.perf_counter()
         self.wait()
         run_dir, dist = self.run_dir, self.dist
+        _reshard(model)
         if not _weights_finite(model, dist):
             kept = "there is none"
             if (run_dir / FILENAME).exists() or (run_dir / SHARDED / "LATEST").exists():
@@ -349,6 +351,16 @@ def _background_group() -> Any:
     import torch.distributed as torch_dist
 
     return torch_dist.new_group(backend="gloo") if torch_dist.is_initialized() else None
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Puts FSDP's shards back in place. FSDP keeps its root and last unit gathered after a
+    forward (backward starts with them); after an evaluation's forward no backward frees them,
+    and the parameters would read as whole tensors: the weights checked and the layout chosen
+    (sharded or one file) must come from the shards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _weights_finite(model: torch.nn.Module, dist: Distributed) -> bool:

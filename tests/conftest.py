@@ -5,11 +5,13 @@ The helpers that tests import are in helpers.py."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from base.distributed import Distributed
 from helpers import WandbCalls
 
 # Before anything imports `datasets` (it reads these once): tests never reach for the hub.
@@ -64,6 +66,22 @@ def _fresh_torch_state() -> None:
     """Each test starts from the same global RNG and matmul precision."""
     torch.manual_seed(0)
     torch.set_float32_matmul_precision("highest")
+
+
+@pytest.fixture
+def group_of_one() -> Iterator[Distributed]:
+    """A process group of one process on the CPU (gloo): FSDP, DTensor and the checkpoint's
+    collectives run in-process."""
+    import torch.distributed as torch_dist
+
+    from base import distributed
+
+    cpu = torch.device("cpu")
+    distributed.init_process_group(cpu, rank=0, world_size=1, store=torch_dist.HashStore())
+    try:
+        yield Distributed(rank=0, local_rank=0, world_size=1, device=cpu)
+    finally:
+        distributed.shutdown()
 
 
 @pytest.fixture

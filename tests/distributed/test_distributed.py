@@ -371,15 +371,6 @@ def _rank(pid: int) -> str | None:
 # ---- in this process, on a group of one: DDP's knobs reach DDP and do what they say
 
 
-@pytest.fixture
-def group_of_one() -> Iterator[Distributed]:
-    distributed.init_process_group(CPU, rank=0, world_size=1, store=torch_dist.HashStore())
-    try:
-        yield Distributed(rank=0, local_rank=0, world_size=1, device=CPU)
-    finally:
-        distributed.shutdown()
-
-
 def _toy(n_embd: int = 16) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=n_embd, block_size=8, vocab_size=64))

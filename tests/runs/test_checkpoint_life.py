@@ -92,6 +92,34 @@ def test_dcp_keeps_the_last_n_step_folders(tmp_path, background) -> None:
     assert isinstance(best, GPT)
 
 
+def test_an_fsdp_checkpoint_after_an_evaluation_is_still_sharded(tmp_path) -> None:
+    """FSDP keeps its root and last unit gathered after a forward; after an evaluation's forward
+    (no backward to free them) with every block in that unit, no parameter is a shard, yet the
+    checkpoint is written from the shards, each rank its own."""
+    import torch.distributed as torch_dist
+    from torch.distributed.tensor import DTensor
+
+    from base import distributed
+    from opt.fsdp import apply_fsdp
+
+    distributed.init_process_group(CPU.device, rank=0, world_size=1, store=torch_dist.HashStore())
+    try:
+        model, _, scaler = _tiny()
+        knobs = make_cfg("+opt=fsdp").opt.fsdp
+        knobs.blocks_per_unit = model.config.n_layer  # one unit: the last, kept gathered
+        apply_fsdp(model, knobs, CPU, None)
+        optimizer = torch.optim.AdamW(model.parameters())
+        with torch.no_grad():
+            model(torch.zeros(1, 4, dtype=torch.long))
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
+        checkpointing.Saver(tmp_path, CPU).save(model, optimizer, scaler, 1, _run_state(model))
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+    finally:
+        distributed.shutdown()
+    assert (tmp_path / checkpointing.SHARDED / "LATEST").exists()
+    assert not (tmp_path / checkpointing.FILENAME).exists()
+
+
 def test_keep_best_keeps_the_lowest_val_loss(tmp_path) -> None:
     model, optimizer, scaler = _tiny()
     saver = checkpointing.Saver(tmp_path, CPU, keep_best=True)

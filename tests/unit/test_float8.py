@@ -5,18 +5,18 @@ emulation), and on an sm89+ GPU the loss of GPT-2 124M against bfloat16's."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as torch_dist
 from omegaconf import OmegaConf
 from torch import nn
 
+import checkpointing
 import opt
-from base import distributed
 from base.distributed import Distributed, ParallelDims
 from base.errors import ConfigError
 from helpers import ROOT, logged, make_cfg, python, tiny_run, torchrun_output
@@ -236,21 +236,13 @@ def test_the_scales_are_computed_after_the_step(monkeypatch) -> None:
         assert seen == [model] * calls
 
 
-@pytest.fixture
-def group_of_one():
-    distributed.init_process_group(CPU, rank=0, world_size=1, store=torch_dist.HashStore())
-    try:
-        yield SINGLE
-    finally:
-        distributed.shutdown()
-
-
 def test_fsdp_gathers_float8_weights_with_the_scales_of_the_last_step(
-    group_of_one, monkeypatch
+    group_of_one, monkeypatch, tmp_path
 ) -> None:
     """FSDP2 over a CPU group of one, emulated: each all-gather casts the weight to float8 (with
     its scale found inside the gather at the first step, precomputed after the step from then
-    on), and the sharded state dict is plain."""
+    on), the sharded state dict is plain, and a checkpoint after an evaluation's forward (which
+    leaves the last block's float8 weights gathered) is written from the shards."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Wrapper
 
     torch.manual_seed(0)
@@ -278,6 +270,12 @@ def test_fsdp_gathers_float8_weights_with_the_scales_of_the_last_step(
         float8.precompute_scales(model)
     state = model.state_dict()
     assert all(type(t.to_local()) is torch.Tensor for t in state.values())
+    with torch.no_grad():
+        model(x)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    run_state = {"model_config": dataclasses.asdict(model.config), "config": {}}
+    checkpointing.Saver(tmp_path, SINGLE).save(model, optimizer, scaler, 2, run_state)
+    assert checkpointing.read(tmp_path)["step"] == 2
 
 
 def test_the_rowwise_recipe_sets_inductors_precise_casts_for_its_run_only() -> None:
