@@ -204,7 +204,11 @@ class GPT(nn.Module):
         """Model FLOPs per trained token, MFU's numerator: a forward, and a backward that does
         twice its matmuls (the inputs' gradients and the weights'). That is 6N + 6·L·C·T with N
         the Linear weights: PaLM's appendix B with causal attention counted half."""
-        return 3 * self._forward_flops(self._work(self.modules()), seq_len)
+        return 3 * self.forward_flops(self.modules(), seq_len)
+
+    def forward_flops(self, modules: Iterable[nn.Module], seq_len: int | None = None) -> float:
+        """Forward FLOPs per token of `modules` (a block's, the head's): as `_forward_flops`."""
+        return self._forward_flops(self._work(modules), seq_len)
 
     def recompute_flops_per_token(self, seq_len: int | None = None) -> float:
         """The FLOPs per trained token that backward adds by recomputing (+opt=ac's regions,

@@ -138,17 +138,18 @@ def _check_split(split: list[int] | None, stages: int, n_layer: int) -> None:
 
 
 def stage_starts(model: GPT, split: list[int] | None, stages: int) -> list[int]:
-    """The block where each stage starts, then n_layer: `split`'s, or balanced by parameters.
-    The blocks are alike, so each in turn goes to the lightest stage (which minimises the
-    heaviest), starting from one block each plus the embeddings (first) and the head (last)."""
+    """The block where each stage starts, then n_layer: `split`'s, or balanced by compute. A
+    pipeline runs at its slowest stage's pace, so each stage's load is its forward FLOPs per
+    token: its blocks', and on the last the head's matmul (GPT-2 XL's: 2.5 blocks); the
+    embeddings are lookups and weigh nothing. The blocks are alike, so each in turn goes to the
+    least loaded stage (which minimises the heaviest), starting from one block each."""
     t: Any = model.transformer  # a ModuleDict, whose attributes are untyped
     n_layer = len(t.h)
     if split is not None:
         return [0, *split, n_layer]
-    block = sum(p.numel() for p in t.h[0].parameters())
+    block = model.forward_flops(t.h[0].modules())
     load = [block] * stages
-    load[0] += t.wte.weight.numel() + t.wpe.weight.numel()
-    load[-1] += model.lm_head.weight.numel() + sum(p.numel() for p in t.ln_f.parameters())
+    load[-1] += model.forward_flops([model.lm_head])
     counts = [1] * stages
     for _ in range(n_layer - stages):
         lightest = min(range(stages), key=load.__getitem__)

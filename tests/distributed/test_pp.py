@@ -52,10 +52,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         _pp(root / name, *SCHEDULES[name])
     _pp(
         root / "compiled",
+        *SCHEDULES["interleaved_1f1b"],
         "opt.compile.backend=aot_eager",
         "opt.compile.fullgraph=true",
         stages="pp,compile",
-    )  # each stage whole
+    )  # each of a rank's two stages whole
     # 1f1b: stopped at step 4, resumed on the pipeline (-> 1f1b) and in one process.
     _pp(root / "1f1b", *SCHEDULES["1f1b"], "train.max_steps=4")
     shutil.copytree(root / "1f1b", root / "on_one")
@@ -148,11 +149,20 @@ def _gpt(n_layer: int = 6, vocab_size: int = 64) -> GPT:
     return GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=8, vocab_size=vocab_size))
 
 
-def test_stages_are_balanced_by_parameters_or_split_as_given() -> None:
-    # Blocks of ~3.3k parameters: a 64-token vocabulary weighs nothing, 1024 tokens ~5 blocks.
+def test_stages_are_balanced_by_compute_or_split_as_given() -> None:
+    # Blocks of 6,400 forward FLOPs a token: a 64-token head weighs 0.3 of one, a 1024-token
+    # head 5.1 (on the last stage), the embedding lookups nothing.
     assert stage_starts(_gpt(), None, 2) == [0, 3, 6]
-    assert stage_starts(_gpt(vocab_size=1024), None, 3) == [0, 1, 5, 6]
+    assert stage_starts(_gpt(vocab_size=1024), None, 3) == [0, 3, 5, 6]
     assert stage_starts(_gpt(), [1, 4], 3) == [0, 1, 4, 6]
+
+
+def test_gpt2_xl_on_two_stages_gives_the_first_the_heads_share_of_blocks() -> None:
+    """GPT-2 XL's head (1600 x 50257) does 2.5 blocks' forward FLOPs: the last stage, which runs
+    it, takes 23 of the 48 blocks, the first 25."""
+    with torch.device("meta"):
+        xl = GPT(GPTConfig(n_layer=48, n_head=25, n_embd=1600, block_size=1024, vocab_size=50257))
+    assert stage_starts(xl, None, 2) == [0, 25, 48]
 
 
 def test_each_rank_keeps_its_stages_under_the_full_models_names() -> None:
