@@ -67,23 +67,17 @@ def test_keep_one_is_the_single_checkpoint_of_before(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
-def test_dcp_keeps_the_last_n_step_folders(tmp_path, background) -> None:
-    import torch.distributed as torch_dist
-
-    from base import distributed
+def test_dcp_keeps_the_last_n_step_folders(tmp_path, background, group_of_one) -> None:
     from opt.fsdp import apply_fsdp
 
-    distributed.init_process_group(CPU.device, rank=0, world_size=1, store=torch_dist.HashStore())
-    try:
-        model, _, scaler = _tiny()
-        apply_fsdp(model, make_cfg("+opt=fsdp").opt.fsdp, CPU, None)
-        optimizer = torch.optim.AdamW(model.parameters())
-        saver = checkpointing.Saver(tmp_path, CPU, keep=2, keep_best=True, async_save=background)
-        for step, loss in ((1, 3.0), (2, 2.0), (3, 2.5)):
-            saver.save(model, optimizer, scaler, step, _run_state(model), val_loss=loss)
-        saver.close()
-    finally:
-        distributed.shutdown()
+    model, _, scaler = _tiny()
+    apply_fsdp(model, make_cfg("+opt=fsdp").opt.fsdp, group_of_one, None)
+    optimizer = torch.optim.AdamW(model.parameters())
+    dist = group_of_one
+    saver = checkpointing.Saver(tmp_path, dist, keep=2, keep_best=True, async_save=background)
+    for step, loss in ((1, 3.0), (2, 2.0), (3, 2.5)):
+        saver.save(model, optimizer, scaler, step, _run_state(model), val_loss=loss)
+    saver.close()
     root = tmp_path / checkpointing.SHARDED
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002", "step-00000003"]
     assert checkpointing.read(tmp_path)["step"] == 3
@@ -92,30 +86,24 @@ def test_dcp_keeps_the_last_n_step_folders(tmp_path, background) -> None:
     assert isinstance(best, GPT)
 
 
-def test_an_fsdp_checkpoint_after_an_evaluation_is_still_sharded(tmp_path) -> None:
+def test_an_fsdp_checkpoint_after_an_evaluation_is_still_sharded(tmp_path, group_of_one) -> None:
     """FSDP keeps its root and last unit gathered after a forward; after an evaluation's forward
     (no backward to free them) with every block in that unit, no parameter is a shard, yet the
     checkpoint is written from the shards, each rank its own."""
-    import torch.distributed as torch_dist
     from torch.distributed.tensor import DTensor
 
-    from base import distributed
     from opt.fsdp import apply_fsdp
 
-    distributed.init_process_group(CPU.device, rank=0, world_size=1, store=torch_dist.HashStore())
-    try:
-        model, _, scaler = _tiny()
-        knobs = make_cfg("+opt=fsdp").opt.fsdp
-        knobs.blocks_per_unit = model.config.n_layer  # one unit: the last, kept gathered
-        apply_fsdp(model, knobs, CPU, None)
-        optimizer = torch.optim.AdamW(model.parameters())
-        with torch.no_grad():
-            model(torch.zeros(1, 4, dtype=torch.long))
-        assert not any(isinstance(p, DTensor) for p in model.parameters())
-        checkpointing.Saver(tmp_path, CPU).save(model, optimizer, scaler, 1, _run_state(model))
-        assert all(isinstance(p, DTensor) for p in model.parameters())
-    finally:
-        distributed.shutdown()
+    model, _, scaler = _tiny()
+    knobs = make_cfg("+opt=fsdp").opt.fsdp
+    knobs.blocks_per_unit = model.config.n_layer  # one unit: the last, kept gathered
+    apply_fsdp(model, knobs, group_of_one, None)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with torch.no_grad():
+        model(torch.zeros(1, 4, dtype=torch.long))
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    checkpointing.Saver(tmp_path, group_of_one).save(model, optimizer, scaler, 1, _run_state(model))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
     assert (tmp_path / checkpointing.SHARDED / "LATEST").exists()
     assert not (tmp_path / checkpointing.FILENAME).exists()
 
