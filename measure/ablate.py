@@ -24,7 +24,9 @@ per-GPU `efficiency`: tokens/s / (gpus x tokens/s of the nearest 1-GPU row above
 
 A step may set `memory_cap_gib: X` (that step only, not carried to the next): its train.py runs
 with `perf.memory_cap_gib=X`, allowed X GiB of the GPU as a card of that size would allow, and
-a run that needs more fails as out of memory; the row records the cap.
+a run that needs more fails as out of memory; the row records the cap. A step may set
+environment variables, `env: {NCCL_PROTO: Simple}` (that step only): its processes run with them,
+and its row's command shows them.
 
 Repeats: each step runs `repeats` times (3 on a GPU, 1 on a CPU, unless the ladder or the command
 line says), interleaved A B C A B C so that drift touches every row alike; a row is the median of

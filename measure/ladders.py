@@ -54,6 +54,7 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
         overrides = overrides + list(step.get("overrides", []))
         nproc, nnodes = step.get("nproc", 1), step.get("nnodes", 1)
         cap = step.get("memory_cap_gib")  # this step's only
+        env = {str(k): str(v) for k, v in step.get("env", {}).items()}  # this step's only
         plans.append(
             {
                 "index": index,
@@ -66,6 +67,7 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
                 "gpus": nproc * nnodes,
                 "strategy": strategy(stages, nproc * nnodes),
                 **({"memory_cap_gib": cap} if cap else {}),
+                **({"env": env} if env else {}),
             }
         )
     return plans

@@ -47,11 +47,12 @@ def launches(
         f"wandb.name={ladder.name}-{run_dir.name}",  # <index>-<step>[-r<repeat>]
     ]
     nproc, nnodes = plan["nproc"], plan["nnodes"]
+    step_env = plan.get("env", {})  # the step's own variables (NCCL's tuning, say)
     if plan["gpus"] == 1:
-        return [([sys.executable, *args], {})]
+        return [([sys.executable, *args], dict(step_env))]
     # NVLink multicast (NVLS) off: some lent machines require it, and every multi-GPU row of a
-    # ladder then runs the same NCCL algorithms.
-    env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+    # ladder then runs the same NCCL algorithms (unless the step says otherwise).
+    env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"), **step_env}
     if nnodes == 1:
         return [([*torchrun(nproc), *args], env)]
     with socket.socket() as s:  # a free port for the rendezvous

@@ -225,6 +225,21 @@ def test_two_machines_are_two_agents_with_their_gpus(monkeypatch, tmp_path) -> N
     assert any(arg.startswith("--rdzv_endpoint=127.0.0.1:") for arg in first)
 
 
+def test_a_steps_environment_reaches_its_processes_and_that_step_only(tmp_path) -> None:
+    ladder = OmegaConf.create({"name": "t", "cumulative": True, "workload": [], "steps": [
+        {"name": "one", "env": {"NCCL_PROTO": "Simple"}},
+        {"name": "two", "nproc": 2, "env": {"NCCL_MAX_NCHANNELS": 4}},
+        {"name": "plain", "nproc": 2},
+    ]})  # fmt: skip
+    plans = ladders.step_plans(ladder)
+    envs = [[env for _, env in runner.launches(p, ladder, [], tmp_path)] for p in plans]
+    assert envs[0] == [{"NCCL_PROTO": "Simple"}]
+    assert envs[1] == [{"NCCL_NVLS_ENABLE": "0", "NCCL_MAX_NCHANNELS": "4"}]
+    assert envs[2] == [{"NCCL_NVLS_ENABLE": "0"}]
+    command = runner.shell(*runner.launches(plans[1], ladder, [], tmp_path)[0])
+    assert command.startswith("NCCL_NVLS_ENABLE=0 NCCL_MAX_NCHANNELS=4 ")
+
+
 def test_per_gpu_efficiency_is_against_the_nearest_one_gpu_row() -> None:
     rows = [
         {"name": "a", "gpus": 1, "status": "ok", "tokens_per_sec": 100.0},
