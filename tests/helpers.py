@@ -166,6 +166,16 @@ def logged(run_dir: Path, key: str) -> list:
     return [row[key] for row in map(json.loads, lines) if key in row]
 
 
+def write_line(path: Path, line: str | bytes) -> Path:
+    """A one-line file: `line` as text with its newline, or as given when bytes (a file that is
+    not UTF-8, say)."""
+    if isinstance(line, bytes):
+        path.write_bytes(line)
+    else:
+        path.write_text(line + "\n")
+    return path
+
+
 def python() -> str:
     return sys.executable
 

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from base.distributed import Distributed
 from data.tokenizer import gpt2_encoding
-from helpers import CONF, ROOT, TINY, logged, tiny_run
+from helpers import CONF, ROOT, TINY, logged, tiny_run, write_line
 from launch.torchrun import torchrun
 from model import GPT, GPTConfig
 from tasks import hellaswag
@@ -285,11 +285,7 @@ def test_the_hub_dataset_is_read_from_the_cache_or_asked_for_in_one_line(tmp_pat
     ],
 )
 def test_a_bad_task_file_is_refused_naming_its_line(tmp_path, line, message) -> None:
-    path = tmp_path / "hellaswag_val.jsonl"
-    if isinstance(line, bytes):
-        path.write_bytes(line)
-    else:
-        path.write_text(line + "\n")
+    path = write_line(tmp_path / "hellaswag_val.jsonl", line)
     with pytest.raises(ValueError, match=message):
         hellaswag.load_items(str(path), "unused")
 

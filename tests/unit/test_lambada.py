@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from base.distributed import Distributed
 from data.tokenizer import gpt2_encoding
-from helpers import CONF
+from helpers import CONF, write_line
 from model import GPT, GPTConfig
 from tasks import Task, lambada
 from tools import evaluate as evaluate_app
@@ -222,11 +222,7 @@ def test_the_hub_dataset_is_read_from_the_cache_or_asked_for_in_one_line(tmp_pat
     ],
 )
 def test_a_bad_task_file_is_refused_naming_its_line(tmp_path, line, message) -> None:
-    path = tmp_path / "lambada.jsonl"
-    if isinstance(line, bytes):
-        path.write_bytes(line)
-    else:
-        path.write_text(line + "\n")
+    path = write_line(tmp_path / "lambada.jsonl", line)
     with pytest.raises(ValueError, match=message):
         lambada.load_items(str(path), "unused")
 
