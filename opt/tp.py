@@ -195,8 +195,12 @@ def apply_tp(model: GPT, cfg: DictConfig, dist: Distributed) -> None:
     for block in model.transformer.h:
         norm(block.ln_1)
         norm(block.ln_2)
+        # Gathered as a DTensor into the first matmul: its input's gradient (a partial sum on each
+        # rank) then goes back to the residual's layout in one reduce-scatter. A plain tensor
+        # there would make the matmul sum that gradient whole (an all-reduce: twice the bytes),
+        # and the gather's backward then keep only this rank's part of it.
         sublayer_input = PrepareModuleInput(
-            input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_output=True
+            input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_output=False
         )
         parallelize_module(block, mesh, {
             "attn": sublayer_input,

@@ -140,14 +140,23 @@ def test_probe_layouts_and_compile(tmp_path) -> None:
     # clipping, which would leave them unclipped on torch 2.11, in one all-reduce (not 11), to
     # the values of summing them one by one.
     assert found.pop("pending_grads") == [11, 0, 1, 1]
+    # Sequence parallelism's activations move as gathers and reduce-scatters only: per block 2
+    # of each forward and 2 backward, the embedding's and ln_f's one each way. An activation's
+    # gradient summed whole (an all-reduce, twice a reduce-scatter's bytes) would show here.
+    moved = {"all_gather_into_tensor": 10, "reduce_scatter_tensor": 10}
+    assert found.pop("step_collectives") == moved
     # opt.tp.async_tp's set-up: the tp group registered for symmetric memory, and Inductor's
-    # pass fuses sequence parallelism's all-gathers into the matmuls that read them (run on a
-    # CPU, the fused op then has no kernel). torch 2.13's pass leaves a torch built without
-    # NCCL (the CPU wheel) alone: there the probe checks the registration only.
+    # pass fuses sequence parallelism's all-gathers into the matmuls that read them, and the
+    # reduce-scatters into the matmuls that make them (run on a CPU, the fused op then has no
+    # kernel). torch 2.13's pass leaves a torch built without NCCL (the CPU wheel) alone: there
+    # the probe checks the registration only.
     async_tp = found.pop("async_tp")
     assert async_tp["registered"]
     if async_tp["fusable"]:
-        assert async_tp["fused"] == ["symm_mem.fused_all_gather_matmul.default"]
+        assert async_tp["fused"] == [
+            "symm_mem.fused_all_gather_matmul.default",
+            "symm_mem.fused_matmul_reduce_scatter.default",
+        ]
         assert async_tp["run"] == "symm_mem::fused_all_gather_matmul"
     plain = found.pop("plain")
     compiled = found.pop("compiled")

@@ -118,19 +118,38 @@ def _pending_grads() -> list[int]:
     return [before, pending(), count.all_reduces, int(summed)]
 
 
+def _step_collectives() -> dict[str, int]:
+    """The collectives of one forward and backward under sequence parallelism (2 blocks), by
+    kind, before the pending gradients are summed."""
+    cfg, plan = _plan("tp", tp={"sequence_parallel": True})
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=8, vocab_size=60))
+    train_model = opt.apply_model_stages(model, cfg.opt, plan, world.with_parallel(plan.parallel))
+    batch = torch.randint(0, 60, (4, 9), generator=torch.Generator().manual_seed(0))
+    with CollectiveCount() as count, plan.loss_context():
+        train_model(batch[:, :-1], batch[:, 1:])[1].backward()
+    return dict(count.kinds)
+
+
+NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
+
+
 class CollectiveCount(TorchDispatchMode):
-    """Counts the all-reduces dispatched inside it (DTensor's redistributions run them)."""
+    """Counts the collectives dispatched inside it (DTensor's redistributions run them), by
+    kind (`all_reduce`, `reduce_scatter_tensor`, `all_gather_into_tensor`, ...)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.all_reduces = 0
+        self.kinds: dict[str, int] = {}
+
+    @property
+    def all_reduces(self) -> int:
+        return self.kinds.get("all_reduce", 0) + self.kinds.get("all_reduce_", 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if func.overloadpacket in (
-            torch.ops._c10d_functional.all_reduce,
-            torch.ops._c10d_functional.all_reduce_,
-        ):
-            self.all_reduces += 1
+        kind = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and kind not in NOT_COLLECTIVES:
+            self.kinds[kind] = self.kinds.get(kind, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -187,6 +206,7 @@ found["compiled"] = {
 }
 found["local_fraction"] = _local_fraction()
 found["pending_grads"] = _pending_grads()
+found["step_collectives"] = _step_collectives()
 found["async_tp"] = _async_tp_fusions()
 if world.is_main:
     (Path(sys.argv[1]) / "found.json").write_text(json.dumps(found))
