@@ -70,10 +70,10 @@ def test_keep_one_is_the_single_checkpoint_of_before(tmp_path) -> None:
 def test_dcp_keeps_the_last_n_step_folders(tmp_path, background, group_of_one) -> None:
     from opt.fsdp import apply_fsdp
 
-    model, _, scaler = _tiny()
-    apply_fsdp(model, make_cfg("+opt=fsdp").opt.fsdp, group_of_one, None)
-    optimizer = torch.optim.AdamW(model.parameters())
     dist = group_of_one
+    model, _, scaler = _tiny()
+    apply_fsdp(model, make_cfg("+opt=fsdp").opt.fsdp, dist, None)
+    optimizer = torch.optim.AdamW(model.parameters())
     saver = checkpointing.Saver(tmp_path, dist, keep=2, keep_best=True, async_save=background)
     for step, loss in ((1, 3.0), (2, 2.0), (3, 2.5)):
         saver.save(model, optimizer, scaler, step, _run_state(model), val_loss=loss)
