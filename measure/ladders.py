@@ -76,7 +76,9 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
 def selection(cfg: DictConfig, plans: list[dict]) -> tuple[list[dict], dict | None]:
     """The steps this call measures (ladder order) and its anchor: `anchor=<step>`, else, when
     the first of `steps=[...]` is not the ladder's first, the step its row is compared with, so
-    that its ratio comes from this call too. Unknown or repeated names are refused up front."""
+    that its ratio comes from this call too; `anchor=none`: no anchor (the steps compare among
+    themselves, e.g. a multi-GPU row with the 1-GPU row of its size). Unknown or repeated names
+    are refused up front."""
     ladder, names = cfg.ladder, [p["name"] for p in plans]
     where = f"ladder {ladder.name} (conf/ablate/ladder/{ladder.name}.yaml)"
     if repeated(names):
@@ -90,6 +92,8 @@ def selection(cfg: DictConfig, plans: list[dict]) -> tuple[list[dict], dict | No
     if unknown:
         raise base.errors.ConfigError(f"steps {unknown} are not in {where}: {names}")
     chosen = [p for p in plans if p["name"] in wanted]
+    if cfg.get("anchor") == "none":
+        return chosen, None
     if cfg.get("anchor"):
         if cfg.anchor not in names:
             raise base.errors.ConfigError(f"anchor={cfg.anchor} is not a step of {where}: {names}")

@@ -232,6 +232,9 @@ def test_an_explicit_anchor_and_its_mistakes(monkeypatch, tmp_path) -> None:
     with pytest.raises(ConfigError, match="anchor=nope is not a step of ladder quick"):
         _ablate(monkeypatch, tmp_path, fake, "steps=[ac]", "anchor=nope")
     fake.order.clear()
+    _ablate(monkeypatch, tmp_path, fake, "steps=[ac]", "anchor=none")  # rows among themselves
+    assert fake.order == [("ac", 0)]
+    fake.order.clear()
     _ablate(monkeypatch, tmp_path, fake, "steps=[baseline,bs]")  # from the start: no anchor
     assert fake.order == [("baseline", 0), ("bs", 0)]
 
