@@ -8,13 +8,13 @@ lane_a() {
   export CUDA_VISIBLE_DEVICES=0,1
   mkdir -p $OUT/res/nvidia-h200 && cp docs/results/nvidia-h200/scaling.json $OUT/res/nvidia-h200/
   timeout 520 python scripts/ablate.py ladder=scaling 'steps=[xl_one_gpu,xl_pp2]' anchor=none repeats=2 \
-    timeout_s=220 "extra=[train.max_steps=40,perf.warmup_steps=20]" out_dir=$OUT/res runs_dir=/tmp/abl > $OUT/lane_a.log 2>&1
+    timeout_s=220 'extra=["train.max_steps=40","perf.warmup_steps=20"]' out_dir=$OUT/res runs_dir=/tmp/abl > $OUT/lane_a.log 2>&1
   echo "ablate rc=$? $(( $(date +%s) - START )) s"
 }
 lane_b() {
   export CUDA_VISIBLE_DEVICES=2,3 TORCHINDUCTOR_COMPILE_THREADS=4
-  timeout 530 nice -n 19 python -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_float8.py tests/distributed/test_tp.py > $OUT/lane_b.log 2>&1
-  echo "pytest -m gpu float8+tp rc=$? $(( $(date +%s) - START )) s: $(tail -1 $OUT/lane_b.log)"
+  timeout 530 nice -n 19 python -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/unit/test_float8.py --ignore=tests/unit/test_attention.py --ignore=tests/distributed/test_tp.py > $OUT/lane_b.log 2>&1
+  echo "pytest -m gpu core rc=$? $(( $(date +%s) - START )) s: $(tail -1 $OUT/lane_b.log)"
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
 lane_b > $OUT/lane_b.txt 2>&1 &
