@@ -1,5 +1,6 @@
-"""`python scripts/gpu_check.py`: `pytest -m gpu`, then the smoke ladder against check.json
-(measure/gpu_check.py says how)."""
+"""`python scripts/gpu_check.py`: `pytest -m gpu`, then the smoke ladder against check.json, in
+one command or in parts (`--part tests|ladder`, then `--assemble`; measure/gpu_check.py says
+how)."""
 
 import sys
 
