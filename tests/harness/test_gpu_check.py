@@ -140,6 +140,7 @@ GPU = "nvidia-h100-80gb-hbm3"
 FLOAT8 = ["tests/unit/test_float8.py::test_a", "tests/unit/test_float8.py::test_b[rowwise]"]
 DIST = ["tests/distributed/test_tp.py::TestTp::test_c", "tests/distributed/test_pp.py::test_d"]
 ROWS = [_row("baseline", 100_000), _row("custom_op", 102_000), _row("ac", 80_000, peak=6.0)]
+WHEN = "the date the part ran"  # environment()'s date, carried into the assembled parts
 
 
 def _tests(outcomes: dict[str, str]) -> gpu_check.PytestRun:
@@ -161,7 +162,7 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(
         gpu_check, "environment",
         lambda argv: {"command": " ".join(argv), "git_commit": state["commit"],
-                      "date": "2025-01-01 00:00 UTC"},
+                      "date": WHEN},
     )  # fmt: skip
     monkeypatch.setattr(gpu_check, "run_tests", lambda paths=(): _tests(state["outcomes"]))
     monkeypatch.setattr(gpu_check, "run_ladder", lambda scratch: ROWS)
@@ -218,7 +219,7 @@ def test_parts_assemble_into_check_json_and_are_deleted(gpu, tmp_path, monkeypat
     assert [p["kind"] for p in written["parts"]] == ["tests", "tests", "ladder"]
     paths = sorted(p["paths"] for p in written["parts"][:2])
     assert paths == [["tests/distributed"], ["tests/unit/test_float8.py"]]
-    assert written["parts"][0]["date"] == "2025-01-01 00:00 UTC"
+    assert written["parts"][0]["date"] == WHEN
     ladder = written["parts"][2]
     assert ladder["command"].startswith("python scripts/gpu_check.py --part ladder --out-dir ")
 
