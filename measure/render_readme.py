@@ -263,7 +263,8 @@ def layout_name(row: dict) -> str:
 def layouts(result: dict) -> str:
     """Which layout for my run: for each model and GPU count of one machine with measured rows,
     the fastest measured layout (its step, tokens/s and peak), then the other layouts measured
-    there, each by its fastest row; a model or GPU count without a measured row is not shown."""
+    there, each by its fastest row; a model or GPU count without a measured row is not shown.
+    Where fewer GPUs measured more tokens/s, the row says so: more GPUs are then no faster."""
     fastest: dict[tuple[str, int], dict[str, dict]] = {}  # (model, GPUs) -> layout -> row
     for row in result["steps"]:
         if row["status"] != "ok" or not row.get("tokens_per_sec") or row.get("nnodes", 1) > 1:
@@ -275,15 +276,23 @@ def layouts(result: dict) -> str:
             measured[name] = row
     models = list(dict.fromkeys(model for model, _ in fastest))  # as the results list them
     cells = []
+    best: dict[str, tuple[int, float]] = {}  # model -> (GPUs, tokens/s): its fastest so far
     for model, gpus in sorted(fastest, key=lambda key: (models.index(key[0]), key[1])):
         ranked = sorted(fastest[model, gpus].items(), key=lambda kv: -kv[1]["tokens_per_sec"])
         (name, row), others = ranked[0], ranked[1:]
+        slower = ""
+        if model in best and best[model][1] > row["tokens_per_sec"]:
+            fewer, tokens = best[model]
+            owner = f"{fewer} GPUs'" if fewer > 1 else "1 GPU's"
+            slower = f": below {owner} {tokens:,.0f}"
+        if row["tokens_per_sec"] > best.get(model, (0, 0.0))[1]:
+            best[model] = gpus, row["tokens_per_sec"]
         also = "; ".join(
             f"{n} (`{r['name']}`): {r['tokens_per_sec']:,.0f}, "
             f"{_num(r.get('peak_allocated_gib'), '.2f', ' GiB')}"
             for n, r in others
         )
-        cells.append([f"`{model}`", str(gpus), f"{name} (`{row['name']}`)"])
+        cells.append([f"`{model}`", str(gpus), f"{name} (`{row['name']}`){slower}"])
         cells[-1] += [
             _num(row["tokens_per_sec"], ",.0f"),
             _num(row.get("peak_allocated_gib"), ".2f"),

@@ -226,7 +226,8 @@ def _layout_row(name: str, stages: list[str], overrides: list[str], gpus: int, t
 def test_layouts_show_the_fastest_measured_layout_per_model_and_gpu_count(tmp_path) -> None:
     """One row per model and GPU count of one machine that was measured: its fastest layout
     (knob variants of a layout compete as that layout), then the others measured there; runs
-    over several machines and failed rows are left out, nothing is invented."""
+    over several machines and failed rows are left out, nothing is invented; a count of GPUs
+    slower than fewer GPUs says so."""
     xl, interleaved = ["model=gpt2-xl"], ["opt.pp.degree=4", "opt.pp.schedule=interleaved_1f1b"]
     steps = [
         _layout_row("one_gpu", ["amp"], [], 1, 100.0, 15.0),
@@ -238,6 +239,8 @@ def test_layouts_show_the_fastest_measured_layout_per_model_and_gpu_count(tmp_pa
         _layout_row("xl_pp2", ["amp", "pp"], [*xl, "opt.pp.microbatches=8"], 2, 30.0, 25.0),
         _layout_row("xl_pp4_interleaved", ["amp", "pp"], [*xl, *interleaved], 4, 70.0, 12.0),
         _layout_row("b4_tp2_fsdp2", ["amp", "tp", "fsdp"], ["model=gpt2-4b"], 4, 50.0, 60.0),
+        _layout_row("large_one_gpu", ["amp"], ["model=gpt2-large"], 1, 90.0, 37.0),
+        _layout_row("large_tp2", ["amp", "tp"], ["model=gpt2-large"], 2, 60.0, 23.0),
         _layout_row(
             "b4_pp2_tp2", ["amp", "pp", "tp"], ["model=gpt2-4b"], 4, 0.0, 0.0, status="oom"
         ),  # fmt: skip
@@ -252,4 +255,6 @@ def test_layouts_show_the_fastest_measured_layout_per_model_and_gpu_count(tmp_pa
         "| `gpt2-xl` | 2 | pp=2 (`xl_pp2`) | 30 | 25.00 | — |",
         "| `gpt2-xl` | 4 | pp=4 (interleaved_1f1b) (`xl_pp4_interleaved`) | 70 | 12.00 | — |",
         "| `gpt2-4b` | 4 | tp=2 x FSDP 2 (`b4_tp2_fsdp2`) | 50 | 60.00 | — |",
+        "| `gpt2-large` | 1 | 1 GPU (`large_one_gpu`) | 90 | 37.00 | — |",
+        "| `gpt2-large` | 2 | tp=2 (`large_tp2`): below 1 GPU's 90 | 60 | 23.00 | — |",
     ], table
