@@ -30,7 +30,7 @@ Parallel layouts are planned rank by rank, and the peak is the worst rank's (Pre
            loss_parallel keeps the logits and the loss's buffers 1/degree; without it they are
            gathered: one GPU's.
   +opt=pp  rank r holds the blocks of stages r, r+degree, ... as opt/pp.py's `stage_starts`
-           balances them; the first stage the embeddings, the last ln_f and its own copy of the
+           splits them; the first stage the embeddings, the last ln_f and its own copy of the
            tied embedding as the head (with its gradient and AdamW state: two ranks hold one).
            Tokens are a micro-batch's (the step's batch / opt.pp.microbatches). The schedule sets
            how many micro-batches' activations a rank keeps at once (`in_flight`): gpipe all of
@@ -303,13 +303,13 @@ def in_flight(pp: DictConfig, rank: int, stage_blocks: list[int]) -> tuple[float
 
 def rank_parts(model: GPT, cfg: DictConfig, u: Setup) -> list[tuple[Shapes, Setup]]:
     """Each distinct rank's shapes and setup: one for a run whose ranks are alike, one per
-    pipeline rank under +opt=pp (its blocks as opt/pp.py's `stage_starts` balances them)."""
+    pipeline rank under +opt=pp (its blocks as opt/pp.py's `stage_starts` splits them)."""
     loss_parallel = u.tp > 1 and cfg.opt.tp.loss_parallel
     if u.pp is None:
         blocks = list(range(model.config.n_layer))
         return [(model_shapes(model, Part(blocks, tp=u.tp, loss_parallel=loss_parallel)), u)]
     n_stages = u.pp.degree * u.pp.stages_per_rank
-    starts = stage_starts(model, u.pp.split, n_stages)
+    starts = stage_starts(model.config.n_layer, u.pp.split, n_stages)
     parts = []
     for rank in range(u.pp.degree):
         mine = list(range(rank, n_stages, u.pp.degree))

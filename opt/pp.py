@@ -131,30 +131,22 @@ def _check_split(split: list[int] | None, stages: int, n_layer: int) -> None:
     if len(starts) != stages - 1 or starts != sorted(set(starts)) or starts[0] < 1:
         raise ConfigError(
             f"opt.pp.split={starts}: give the {stages - 1} increasing block indices where stages "
-            f"1..{stages - 1} start (stage 0 starts at block 0), or null to balance them"
+            f"1..{stages - 1} start (stage 0 starts at block 0), or null for as many blocks each"
         )
     if starts[-1] >= n_layer:
         raise ConfigError(f"opt.pp.split={starts}: model.n_layer={n_layer} blocks end before it")
 
 
-def stage_starts(model: GPT, split: list[int] | None, stages: int) -> list[int]:
-    """The block where each stage starts, then n_layer: `split`'s, or balanced by compute. A
-    pipeline runs at its slowest stage's pace, so each stage's load is its forward FLOPs per
-    token: its blocks', and on the last the head's matmul (GPT-2 XL's: 2.5 blocks); the
-    embeddings are lookups and weigh nothing. The blocks are alike, so each in turn goes to the
-    least loaded stage (which minimises the heaviest), starting from one block each."""
-    t: Any = model.transformer  # a ModuleDict, whose attributes are untyped
-    n_layer = len(t.h)
+def stage_starts(n_layer: int, split: list[int] | None, stages: int) -> list[int]:
+    """The block where each stage starts, then n_layer: `split`'s, or as many blocks each (the
+    first stages one more when they do not divide). Even blocks, not even FLOPs: on GPT-2 XL over
+    2 H200s the even split (24/24) ran 1.10x a split that weighed the last stage's head as its
+    2.5 blocks of forward FLOPs (25/23), in every run and with steadier steps
+    (docs/results/nvidia-h200/model_parallel.md): the stages' time did not follow their FLOPs."""
     if split is not None:
         return [0, *split, n_layer]
-    block = model.forward_flops(t.h[0].modules())
-    load = [block] * stages
-    load[-1] += model.forward_flops([model.lm_head])
-    counts = [1] * stages
-    for _ in range(n_layer - stages):
-        lightest = min(range(stages), key=load.__getitem__)
-        counts[lightest] += 1
-        load[lightest] += block
+    each, extra = divmod(n_layer, stages)
+    counts = [each + (stage < extra) for stage in range(stages)]
     return list(itertools.accumulate([0, *counts]))
 
 
@@ -395,7 +387,7 @@ def apply_pp(
     pp_mesh = _mesh(dist)["pp"]
     rank, degree = pp_mesh.get_local_rank(), cfg.degree
     n_stages = degree * cfg.stages_per_rank
-    starts = stage_starts(model, cfg.split, n_stages)
+    starts = stage_starts(model.config.n_layer, cfg.split, n_stages)
     mine = list(range(rank, n_stages, degree))  # looped: rank r holds r, r+degree, ...
     first, last = mine[0] == 0, mine[-1] == n_stages - 1
     blocks = [i for s in mine for i in range(starts[s], starts[s + 1])]

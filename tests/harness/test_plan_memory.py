@@ -267,7 +267,7 @@ def test_a_pipeline_keeps_the_micro_batches_its_schedule_has_in_flight() -> None
     before), not at gpipe's."""
     one_f_one_b = _ranks(*XL_PIPE, "+opt=[amp,pp]", "nproc=2")
     cfg, _, _ = plan_memory.compose([*XL_PIPE, "+opt=[amp,pp]", "nproc=2"])
-    starts = stage_starts(memory_model.meta_model(cfg), None, 2)
+    starts = stage_starts(cfg.model.n_layer, None, 2)
     first, last = starts[1], starts[2] - starts[1]
     assert _gib(one_f_one_b[0], "forward", "activations") == pytest.approx(
         2 * _micro_batch_activations(first)
@@ -336,7 +336,7 @@ def test_each_ranks_weights_are_the_parameters_the_split_leaves_it(tp_pair, pipe
     cfg, _, _ = plan_memory.compose(overrides)
     planned = _ranks(*overrides)
     knobs = cfg.opt.tp
-    starts = stage_starts(memory_model.meta_model(cfg), None, 2)
+    starts = stage_starts(cfg.model.n_layer, None, 2)
     for rank, prediction in enumerate(planned):
         model = GPT(memory_model.meta_model(cfg).config)
         with contextlib.redirect_stdout(io.StringIO()):
