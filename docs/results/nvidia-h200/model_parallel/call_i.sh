@@ -1,0 +1,16 @@
+# Call I (nvidia-h200-x2, nothing beside): GPT-2 XL pp2 with the stages split by FLOPs (25/23,
+# the default) against 24/24, 2 interleaved repeats each, through the scaling ladder.
+source .whl/setup.sh; set +e
+export GPT2_RECIPE_COMMIT=6e3dc4a22246069038e7aa669be75002a3004701
+START=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -2
+mkdir -p $OUT/res/nvidia-h200 && cp docs/results/nvidia-h200/scaling.json $OUT/res/nvidia-h200/
+timeout 540 python scripts/ablate.py ladder=scaling 'steps=[xl_pp2,xl_pp2_24]' anchor=none repeats=2 \
+  timeout_s=220 'extra=["train.max_steps=40","perf.warmup_steps=20"]' out_dir=$OUT/res runs_dir=/tmp/abl > $OUT/ablate.log 2>&1
+echo "ablate rc=$? $(( $(date +%s) - START )) s"
+grep -E "^\|" $OUT/ablate.log | head -20
+for d in /tmp/abl/*/*; do [ -f $d/summary.json ] && python -c "
+import json,sys; s=json.load(open('$d/summary.json'))
+print('$d'.split('/')[-1], f\"{s['perf/tokens_per_sec']:,.0f} busy {s.get('perf/gpu_busy')} bubble {s.get('perf/pp_bubble')} loss {s['train/loss']:.4f} peak {s['mem/peak_allocated_gib']:.2f}\")"; done
+cd /tmp && tar czf $OUT/runs.tgz --exclude='*.pt' --exclude='wandb' abl 2>/dev/null
+echo "total $(( $(date +%s) - START )) s"
