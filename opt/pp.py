@@ -140,7 +140,7 @@ def _check_split(split: list[int] | None, stages: int, n_layer: int) -> None:
 def stage_starts(n_layer: int, split: list[int] | None, stages: int) -> list[int]:
     """The block where each stage starts, then n_layer: `split`'s, or as many blocks each (the
     first stages one more when they do not divide). Even blocks, not even FLOPs: on GPT-2 XL over
-    2 H200s the even split (24/24) ran 1.10x a split that weighed the last stage's head as its
+    2 H200s the even split (24/24) ran 1.12x a split that weighed the last stage's head as its
     2.5 blocks of forward FLOPs (25/23), in every run and with steadier steps
     (docs/results/nvidia-h200/model_parallel.md): the stages' time did not follow their FLOPs."""
     if split is not None:
