@@ -210,6 +210,20 @@ def test_bad_knobs_are_refused_naming_them() -> None:
         )
 
 
+def test_a_compiled_cuda_run_wider_than_it_is_known_right_is_refused() -> None:
+    """Compiled on CUDA, the operator trained gpt2-large and gpt2-xl wrongly (opt/custom_op.py):
+    such a plan is refused in one line; eager, on a CPU, or up to gpt2-medium's width, planned."""
+    cuda = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="trains wrongly on CUDA at n_embd=1280.*drop"):
+        opt.plan(make_cfg("+opt=[compile,custom_op]", "model=gpt2-large"), cuda)
+    for stages, model, dist in [
+        ("+opt=[compile,custom_op]", "gpt2-medium", cuda),
+        ("+opt=[custom_op]", "gpt2-large", cuda),
+        ("+opt=[compile,custom_op]", "gpt2-large", SINGLE),
+    ]:
+        opt.plan(make_cfg(stages, f"model={model}"), dist)
+
+
 # ---- composition with the other stages and the trainer
 
 
