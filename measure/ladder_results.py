@@ -64,7 +64,7 @@ CSV_COLUMNS = [
     "index", "name", "what", "status", "stages", "nproc", "nnodes", "gpus", "memory_cap_gib",
     "strategy",
     *(c for c, _ in stats.NUMBERS), "repeats", "diverged_runs", "ratio", "ratio_vs", "within_noise",
-    "efficiency", "efficiency_vs", "wall_s", "git_commit", "command", "error",
+    "efficiency", "efficiency_vs", "attention_kernel", "wall_s", "git_commit", "command", "error",
 ]  # fmt: skip
 
 

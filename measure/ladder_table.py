@@ -57,6 +57,14 @@ def _loss_cell(row: dict) -> str:
     return f"{loss} **({broken} of {row.get('repeats') or 1} runs diverged)**" if broken else loss
 
 
+def _kernel_cell(kernel: str | None) -> str:
+    """opt/attention.py's `<family>: <kernel name>`, the name cut to its first 40 characters."""
+    if not kernel:
+        return "–"
+    family, _, name = kernel.partition(": ")
+    return f"{family}: `{name[:40]}{'…' if len(name) > 40 else ''}`" if name else kernel
+
+
 def gpus_label(row: dict) -> str:
     """`2` for 2 GPUs of one torchrun, `2 x 1` for two "machines" of one GPU."""
     nnodes, gpus = row.get("nnodes", 1), row.get("gpus", 1)
@@ -76,12 +84,15 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
     spread = "tokens/s (runs: median, min–max)" if repeats else "tokens/s (p10–p90)"
     busy = any(r.get("gpu_busy") is not None for r in rows)  # NVML's samples, when measured
     across = any(r.get("ratio_across_calls") or r.get("ratio_ref_across_calls") for r in rows)
+    # Which attention kernel ran, where the rows' differ: the attention ladder's backends, or a
+    # library on the path that changed PyTorch's choice between two calls.
+    kernels = len({r.get("attention_kernel") for r in rows if r.get("attention_kernel")}) > 1
     columns = [
         "#", "step", "what changes", *(["GPUs"] if scaling else []), spread,
         *(["per-GPU efficiency"] if scaling else []), f"{gain} vs prev", f"{gain} vs {versus}",
         *([f"tokens/s vs {versus}"] if speed_too else []),
         "MFU", *(["GPU busy"] if busy else []), "step ms", "peak alloc GiB", "peak reserved GiB",
-        "loss", "status",
+        *(["attention kernel"] if kernels else []), "loss", "status",
     ]  # fmt: skip
     header = "| " + " | ".join(columns) + " |"
     lines = [
@@ -107,6 +118,7 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
             _fmt(row.get("step_ms"), ".1f"),
             _fmt(row.get("peak_allocated_gib"), ".2f"),
             _fmt(row.get("peak_reserved_gib"), ".2f"),
+            *([_kernel_cell(row.get("attention_kernel"))] if kernels else []),
             _loss_cell(row),
             row["status"] if row["status"] == "ok" else f"**{row['status']}**",
         ]

@@ -220,16 +220,24 @@ def scaling(result: dict) -> str:
 
 def sizes(result: dict) -> str:
     """Each GPT-2 size on one GPU (conf/ablate/ladder/sizes.yaml): the batch it ran at (from its
-    command's overrides: the ladder's batches may have moved since), tokens/s with their spread,
-    MFU and peak memory; the caption names llm.c's per-GPU rate for the size."""
+    command's overrides: the ladder's batches may have moved since), which head (the fused one,
+    `custom_op`, or the plain), tokens/s with their spread (and how many runs diverged: their
+    speed times a model that broke), MFU and peak memory; the caption names llm.c's per-GPU rate
+    for the size."""
     cells = []
     for row in result["steps"]:
         batches = [o.split("=")[1] for o in row["overrides"] if o.startswith("train.batch_size=")]
         tokens = _num(row.get("tokens_per_sec"), ",.0f") if row["status"] == "ok" else row["status"]
-        cells.append([caption(row), batches[-1] if batches else MISSING, tokens, _interval(row)])
-        cells[-1] += [str(row.get("repeats", MISSING)), _num(row.get("mfu"), ".1f", "%")]
-        cells[-1].append(_num(row.get("peak_allocated_gib"), ".1f"))
-    return table(["size", "batch", "tokens/s", "interval", "repeats", "MFU", "peak GiB"], cells)
+        if row.get("diverged_runs"):
+            tokens += f" (diverged: {row['diverged_runs']} of {row.get('repeats', 1)} runs)"
+        head = (
+            MISSING if "stages" not in row else "fused" if "custom_op" in row["stages"] else "plain"
+        )
+        cells.append([caption(row), batches[-1] if batches else MISSING, head, tokens])
+        cells[-1] += [_interval(row), str(row.get("repeats", MISSING))]
+        cells[-1] += [_num(row.get("mfu"), ".1f", "%"), _num(row.get("peak_allocated_gib"), ".1f")]
+    header = ["size", "batch", "head", "tokens/s", "interval", "repeats", "MFU", "peak GiB"]
+    return table(header, cells)
 
 
 def _row_args(row: dict) -> list[str]:

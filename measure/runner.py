@@ -116,6 +116,7 @@ def run_step(
         status, output, summary = "failed", f"ablate.py: {type(e).__name__}: {e}", {}
     row["wall_s"] = round(time.time() - started, 1)
     row.update({column: summary_value(summary, column, key) for column, key in stats.NUMBERS})
+    row["attention_kernel"] = summary.get("attention_kernel")  # what computed attention (a name)
     row["loss_rise"] = loss_rise(run_dir / "metrics.jsonl")
     if status != "ok":
         row["error"] = failure_reason(output)

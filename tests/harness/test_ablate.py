@@ -199,6 +199,25 @@ def test_a_reference_row_is_compared_in_memory_and_speed() -> None:
     assert "| -50% | -50% | 0.80x |" in table  # vs prev, vs ac (memory), vs ac (tokens/s)
 
 
+def test_the_attention_kernel_that_ran_shows_where_the_rows_differ() -> None:
+    ladder = OmegaConf.create({"name": "x", "focus": "speed", "cumulative": False})
+    flash, math = (
+        "flash: pytorch_flash::flash_fwd_kernel",
+        "math: aten::_scaled_dot_product_attention_math",
+    )
+    rows = [
+        {"index": i, "name": n, "what": "", "status": "ok", "command": "",
+         "tokens_per_sec": 1000.0, "attention_kernel": kernel}
+        for i, (n, kernel) in enumerate([("a", flash), ("b", math)])
+    ]  # fmt: skip
+    table = ladder_table.markdown(ladder, rows, {"device": "GPU"})
+    assert "| attention kernel |" in table
+    assert "| flash: `pytorch_flash::flash_fwd_kernel` |" in table
+    assert "math: `aten::_scaled_dot_product_attention_math` |" in table
+    same = [{**row, "attention_kernel": flash} for row in rows]
+    assert "attention kernel" not in ladder_table.markdown(ladder, same, {"device": "GPU"})
+
+
 def test_a_step_may_drop_earlier_stages_and_their_knobs() -> None:
     ladder = OmegaConf.create({"cumulative": True, "steps": [
         {"name": "a", "opt": ["amp", "fused"]},
