@@ -197,20 +197,27 @@ def test_a_row_whose_step_is_not_in_the_ladder_is_refused(tmp_path, monkeypatch)
         render_readme.render(_marked("memory_xl", path), tmp_path)
 
 
-def test_sizes_show_the_batch_each_row_ran_at_and_a_failed_row_its_status(tmp_path) -> None:
+def test_sizes_show_the_batch_and_head_each_row_ran_with_and_a_failed_row_its_status(
+    tmp_path,
+) -> None:
     """The batch comes from the row's own command, not from the ladder's yaml, which may have
-    moved on since the run."""
+    moved on since the run; a row whose runs diverged says so beside its speed."""
     steps: list[dict] = [
         {"name": "gpt2", "what": "124M", "status": "ok", "tokens_per_sec": 500_000.0,
-         "repeats": 1, "mfu": 45.0, "peak_allocated_gib": 28.5,
+         "repeats": 1, "mfu": 45.0, "peak_allocated_gib": 28.5, "stages": ["amp", "custom_op"],
          "overrides": ["model=gpt2", "train.batch_size=64"]},
+        {"name": "gpt2_large", "what": "774M", "status": "ok", "tokens_per_sec": 94_000.0,
+         "repeats": 3, "diverged_runs": 3, "stages": ["amp"],
+         "overrides": ["model=gpt2-large", "train.batch_size=32"]},
         {"name": "gpt2_xl", "what": "1.5B", "status": "oom", "overrides": ["model=gpt2-xl"]},
     ]  # fmt: skip
     path = _results(tmp_path, "sizes.json", steps)
     lines = render_readme.render(_marked("sizes", path), tmp_path).split("\n")
-    gpt2, xl = _caption("sizes", "gpt2"), _caption("sizes", "gpt2_xl")
-    assert f"| {gpt2} | 64 | 500,000 | — | 1 | 45.0% | 28.5 |" in lines
-    assert f"| {xl} | — | oom | — | — | — | — |" in lines
+    gpt2, large = _caption("sizes", "gpt2"), _caption("sizes", "gpt2_large")
+    xl = _caption("sizes", "gpt2_xl")
+    assert f"| {gpt2} | 64 | fused | 500,000 | — | 1 | 45.0% | 28.5 |" in lines
+    assert f"| {large} | 32 | plain | 94,000 (diverged: 3 of 3 runs) | — | 3 | — | — |" in lines
+    assert f"| {xl} | — | — | oom | — | — | — | — |" in lines
 
 
 def _layout_row(name: str, stages: list[str], overrides: list[str], gpus: int, tokens: float,
