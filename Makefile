@@ -4,8 +4,9 @@ install:  ## torch first (as the README's first line: the CPU wheel without a GP
 	pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/$$(nvidia-smi -L >/dev/null 2>&1 && echo cu130 || echo cpu)
 	pip install -e ".[dev]"
 
-test:  ## the whole suite (what CI runs)
-	pytest -q
+test:  ## the whole suite as CI runs it: the one-process tests two at a time, then the multi-process ones
+	pytest -q -n 2 -m "not distributed"
+	pytest -q -m distributed
 
 test-fast:  ## skip the slow and multi-process tests
 	pytest -q -m "not slow and not distributed"

@@ -283,12 +283,14 @@ RUN_4_STEPS = (
 
 def launch_agents(*commands: list[str], timeout: float = 300) -> str:
     """Runs the commands side by side (one per torchrun agent) from the checkout; returns their
-    output (each must succeed)."""
+    output (each must succeed). A worker that dies of a signal (a crash in native code) prints
+    every thread's Python stack first (faulthandler), so that the failure says where."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     with tempfile.TemporaryDirectory() as logs:
         agents = []
         for i, command in enumerate(commands):
             with open(Path(logs) / f"{i}.log", "w") as log:
-                agents.append(subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log))
+                agents.append(subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log, env=env))
         deadline = time.time() + timeout
         try:
             for agent in agents:

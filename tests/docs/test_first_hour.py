@@ -36,12 +36,16 @@ def test_ci_runs_exactly_the_readmes_set_up_and_test_lines() -> None:
     torch_install, install, *rest = commands
     assert torch_install.startswith("pip install torch==2.13.0 --index-url ")
     assert install == 'pip install -e ".[dev]"'
-    assert "python train.py" in rest and "pytest -q" in rest
+    assert "python train.py" in rest
+    # The whole suite, split by its marker: every test is in one of the two runs.
+    tests = [line for line in rest if line.startswith("pytest")]
+    assert tests == ['pytest -q -n 2 -m "not distributed"', "pytest -q -m distributed"]
 
     # The set-up installs what the test and lint commands run: the `dev` extra has them.
     extras = (ROOT / "pyproject.toml").read_text()
     dev = re.search(r"^dev = \[(.*)\]$", extras, flags=re.M).group(1)
     assert re.search(r'"pytest[^"]*"', dev) and re.search(r'"ruff[^"]*"', dev)
+    assert re.search(r'"pytest-xdist[^"]*"', dev)  # -n 2
     assert re.search(r'"mypy[^"]*"', dev)
     assert "ruff check . && ruff format --check . && mypy" in rest
 
