@@ -30,6 +30,15 @@ float16 graph and train in float16 with no loss scaler: reproduced on a CPU with
 likely cause of the speed ladder's diverged bf16 rows on an H100
 (docs/results/nvidia-h100-80gb-hbm3/speed_bf16_cache.md).
 
+Inductor's looped reductions (rows wider than 1024, on CUDA) can read back a buffer the same
+kernel stored in an earlier loop over the row, laid out over the warps differently: with no barrier
+between them a warp reads values another warp has not yet stored (pytorch/pytorch#190517). It hit
+gpt2-large and gpt2-xl under +opt=custom_op: the final norm's kernel stores the normalised rows,
+which backward keeps, then reloads them for the bfloat16 copy the fused head takes, which held
+some pre-norm values (30% off at the first step, the loss rising to 678 in 12 steps). Until
+torch emits the barrier itself, `barrier_before_reloads` makes Inductor emit it
+(torch-workaround(unfixed)).
+
 Only a private cache is used: Inductor and AOTAutograd unpickle its entries and import its
 generated code without any check, so whoever can write the folder runs code in every later
 compiled launch. The folder (and each precision's) must be owned by this user and writable by no
@@ -49,6 +58,7 @@ from typing import Any, Literal
 import torch
 import torch._dynamo
 from omegaconf import DictConfig
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from base.distributed import log
 from base.errors import ConfigError, Unusable
@@ -107,6 +117,50 @@ def _inductor_default() -> Path:
     return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()).absolute()
 
 
+class _ReloadBarrierKey(CustomGraphPass):
+    """Changes no graph: its uuid enters Inductor's cache keys, so that graphs generated before
+    `barrier_before_reloads` (without the barriers) are never loaded from a cache."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return "gpt2-recipe: tl.debug_barrier() before each reload of a stored buffer, v1"
+
+
+def barrier_before_reloads() -> None:
+    """Makes Inductor's Triton kernels wait for every warp's stores (`tl.debug_barrier()`) before
+    they load a buffer they stored in an earlier loop of a reduction (the race in the module's
+    docstring); process-wide, once. Kernels without such a reload are unchanged."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.codegen.triton import TritonKernel
+
+    if inductor_config.post_grad_custom_pre_pass is None:
+        inductor_config.post_grad_custom_pre_pass = _ReloadBarrierKey()
+    load = TritonKernel.load
+    if getattr(load, "barrier_before_reloads", False):
+        return
+
+    def load_after_barrier(self: TritonKernel, name: str, index: Any) -> Any:
+        if name not in self.cse.invalidated_stores:  # not stored by an earlier loop
+            return load(self, name, index)
+        pick = self.get_load_buffer  # where the load's line goes: the loop, or before it
+
+        def barrier_then(indexing: Any) -> Any:
+            lines = pick(indexing)
+            lines.writeline("tl.debug_barrier()")
+            return lines
+
+        self.get_load_buffer = barrier_then  # type: ignore[method-assign]
+        try:
+            return load(self, name, index)
+        finally:
+            del self.get_load_buffer
+
+    load_after_barrier.barrier_before_reloads = True  # type: ignore[attr-defined]
+    TritonKernel.load = load_after_barrier  # type: ignore[method-assign]
+
+
 def apply_compile(
     model: torch.nn.Module,
     cfg: DictConfig,
@@ -123,6 +177,7 @@ def apply_compile(
     import torch._inductor.config as inductor_config
 
     inductor_config.coordinate_descent_tuning = cfg.coordinate_descent
+    barrier_before_reloads()
     # Read by Inductor when it compiles (lazily, at the first step): checked before that.
     if cfg.cache_dir:  # the folder and its precision's: whoever can write it can swap the other
         folder = cache_folder(cfg.cache_dir, amp_dtype)

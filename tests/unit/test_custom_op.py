@@ -210,20 +210,6 @@ def test_bad_knobs_are_refused_naming_them() -> None:
         )
 
 
-def test_a_compiled_cuda_run_wider_than_it_is_known_right_is_refused() -> None:
-    """Compiled on CUDA, the operator trained gpt2-large and gpt2-xl wrongly (opt/custom_op.py):
-    such a plan is refused in one line; eager, on a CPU, or up to gpt2-medium's width, planned."""
-    cuda = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cuda"))
-    with pytest.raises(ValueError, match="trains wrongly on CUDA at n_embd=1280.*drop"):
-        opt.plan(make_cfg("+opt=[compile,custom_op]", "model=gpt2-large"), cuda)
-    for stages, model, dist in [
-        ("+opt=[compile,custom_op]", "gpt2-medium", cuda),
-        ("+opt=[custom_op]", "gpt2-large", cuda),
-        ("+opt=[compile,custom_op]", "gpt2-large", SINGLE),
-    ]:
-        opt.plan(make_cfg(stages, f"model={model}"), dist)
-
-
 # ---- composition with the other stages and the trainer
 
 
@@ -431,15 +417,20 @@ def test_float16_with_a_grad_scaler_on_the_gpu() -> None:
         assert torch.isfinite(a).all() and _relative_error(a, b) < 1e-2
 
 
+@pytest.mark.parametrize("width", [128, 1280])
 @_on_gpu
-def test_compiled_training_step_with_the_stage_on_the_gpu(tmp_path) -> None:
-    """A compiled bfloat16 run with the stage: the same losses as without it, one graph, and a
-    lower peak (GPT-2's vocabulary, 16 x 256 tokens)."""
+def test_compiled_training_step_with_the_stage_on_the_gpu(tmp_path, width: int) -> None:
+    """A compiled bfloat16 run with the stage: the same losses as without it, one graph, and at
+    the narrow width a lower peak (GPT-2's vocabulary, 16 x 256 tokens; at 1280 the operator's
+    float32 weight gradient, V x C, outweighs these few tokens' logits). At gpt2-large's width
+    the final norm is a looped reduction whose kernel reloads what it stored (opt/compile.py,
+    the reload race): without a barrier its rows reached the operator 30% off."""
     import torch._dynamo
 
     args = ("device=cuda", "train.log_interval=1", "sample.num_samples=0", "wandb.mode=disabled",
             "train.max_steps=4", "model.block_size=256", "train.batch_size=16",
-            "opt.amp.dtype=bfloat16")  # fmt: skip
+            "opt.amp.dtype=bfloat16", f"model.n_embd={width}", f"model.n_head={width // 32}",
+            "model.n_layer=2")  # fmt: skip
     peaks = {}
     for name, stages in [
         ("plain", "+opt=[amp,compile]"),
@@ -457,5 +448,5 @@ def test_compiled_training_step_with_the_stage_on_the_gpu(tmp_path) -> None:
         rtol=1e-2,
         atol=0,
     )
-    assert peaks["fused"] < peaks["plain"], peaks
+    assert peaks["fused"] < peaks["plain"] or width > 128, peaks
     torch._dynamo.reset()
