@@ -531,6 +531,43 @@ def test_compile_coordinate_descent_sets_and_resets_inductors_tuning() -> None:
     torch._dynamo.reset()
 
 
+def test_compile_puts_a_barrier_before_inductors_reloads_of_a_stored_buffer(monkeypatch) -> None:
+    """opt/compile.py's reload race: a Triton kernel's load of a buffer it stored in an earlier
+    reduction loop gets `tl.debug_barrier()` in the same lines first; other loads none; and
+    Inductor's cache keys change with it. (The generated kernels themselves need a GPU:
+    tests/unit/test_custom_op.py's `compiled_training_step` test at width 1280.)"""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codegen.common import IndentedBuffer
+    from torch._inductor.codegen.triton import TritonKernel
+
+    def load(kernel, name, index):  # stands for Inductor's: its line goes where it is told
+        kernel.get_load_buffer(index).writeline(f"tmp = tl.load({name})")
+
+    monkeypatch.setattr(TritonKernel, "load", load)
+    monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", None)
+    opt.compile.apply_compile(_toy(), _knobs("compile"))
+    torch._dynamo.reset()
+
+    class Kernel:  # what the patched load reads of a kernel
+        def __init__(self) -> None:
+            self.lines = IndentedBuffer()
+            self.cse = type("CSE", (), {"invalidated_stores": {"buf_stored"}})()
+
+        def get_load_buffer(self, index):
+            return self.lines
+
+    kernel = Kernel()
+    for name in ("buf_stored", "buf_other"):
+        TritonKernel.load(kernel, name, None)  # type: ignore[arg-type]
+    assert kernel.lines.getvalue().split("\n")[:3] == [
+        "tl.debug_barrier()",
+        "tmp = tl.load(buf_stored)",
+        "tmp = tl.load(buf_other)",
+    ]
+    assert "get_load_buffer" not in vars(kernel)  # the kernel's own again
+    assert "barrier" in inductor_config.post_grad_custom_pre_pass.uuid()
+
+
 @pytest.mark.parametrize(
     "stages,folder",
     [
