@@ -59,6 +59,7 @@ FORMAT_VERSION = 3  # 2: meta.json records each file's size and sha256; 3: its s
 # must not take another one's live preparation for a dead process of its own.
 _HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 LOCK = ".preparing"  # in a temporary folder: locked by the live preparation that writes it
+SCRATCH = ".documents"  # in it: the documents as `datasets` read them, until the splits are written
 
 
 def cache_folder(cfg: DictConfig) -> Path:
@@ -300,8 +301,11 @@ def prepare(cfg: DictConfig) -> Path | None:
     # The processes `datasets` starts ignore the group's stop signals and die with this one;
     # a SIGTERM to this one ends it through the cleanup below.
     with hardened_forks(), sigterm_raises(), _tmp_folder(folder) as tmp:
-        splits = split_documents(load_documents(cfg, num_proc), cfg.val_fraction, corpus_label(cfg))
+        scratch = tmp / SCRATCH
+        docs = load_documents(cfg, num_proc, scratch)
+        splits = split_documents(docs, cfg.val_fraction, corpus_label(cfg))
         counts = {split: _write_split(splits[split], tmp, split, num_proc) for split in SPLITS}
+        shutil.rmtree(scratch, ignore_errors=True)
         files = {f"{s}.{x}": file_record(tmp / f"{s}.{x}") for s in SPLITS for x in SUFFIXES}
         meta = {
             "format": FORMAT_VERSION, "name": cfg.name, "tokenizer": TOKENIZER,

@@ -113,14 +113,16 @@ def corpus_label(cfg: DictConfig) -> str:
     return f"data.source={cfg.source}"
 
 
-def _text_files(files: list[Path]) -> datasets.Dataset:
-    """The files' documents, read afresh: `datasets` keys its own cache of local files by their
-    paths and modification times, and would hand back the old text of a same-size edit that kept
-    them (data/prepare.py prepares only when the content is new)."""
+def _text_files(files: list[Path], scratch: Path) -> datasets.Dataset:
+    """The files' documents, read afresh into `scratch` (a folder of the caller's own), never into
+    `datasets`' shared cache: it keys local files by their paths and modification times, and
+    would hand back the old text of a same-size edit that kept them (data/prepare.py prepares
+    only when the content is new); and two preparations of one file at once collide in it (one
+    loses a temporary file to the other)."""
     with _no_progress_bars():
         return datasets.load_dataset(
             "text", data_files=[str(f) for f in files], sample_by="document", split="train",
-            download_mode=datasets.DownloadMode.FORCE_REDOWNLOAD,
+            cache_dir=str(scratch),
         )  # fmt: skip
 
 
@@ -138,15 +140,17 @@ def _no_progress_bars() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def load_documents(cfg: DictConfig, num_proc: int) -> datasets.Dataset:
-    """The documents of `cfg.source`, one per row of the `text` column, in a fixed order."""
+def load_documents(cfg: DictConfig, num_proc: int, scratch: Path) -> datasets.Dataset:
+    """The documents of `cfg.source`, one per row of the `text` column, in a fixed order; local
+    files are read into `scratch`, which must outlive the returned dataset (the hub's downloads
+    go to `datasets`' own cache, to be reused)."""
     if cfg.source == "shakespeare":
-        docs = _text_files(shakespeare_files())
+        docs = _text_files(shakespeare_files(), scratch)
         return docs.map(lambda row: {"text": play_text(row["text"])}, num_proc=num_proc)
     if cfg.source == "text":
         files = expand_files(cfg.files)
         check_text_files(files)
-        return _text_files(files)
+        return _text_files(files, scratch)
     if cfg.source == "hub":
         return _hub_documents(cfg.hub, num_proc)
     raise ConfigError(f"data.source={cfg.source!r} has no documents to prepare")

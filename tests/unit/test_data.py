@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -39,11 +40,11 @@ def shakespeare():
     return cfg, prepare(cfg)
 
 
-def test_preparation_round_trip(shakespeare) -> None:
+def test_preparation_round_trip(shakespeare, tmp_path) -> None:
     """Both splits' tokens decode back to the corpus, and the text files hold the same split."""
     cfg, folder = shakespeare
     enc = gpt2_encoding()
-    docs = load_documents(cfg, num_proc=1)["text"]
+    docs = load_documents(cfg, num_proc=1, scratch=tmp_path)["text"]
     corpus = "".join(doc + DOC_SEPARATOR for doc in docs)
     texts = {s: (folder / f"{s}.txt").read_text(encoding="utf-8") for s in ("train", "val")}
     # The play the cut falls in becomes two documents: one separator more, nothing else.
@@ -79,6 +80,20 @@ def test_a_single_text_file_prepares_and_splits(tmp_path) -> None:
     ) == pytest.approx(0.2, abs=0.01)
     splits = data.load_splits(cfg, block_size=16, seed=0)
     assert splits["train"][0].shape == (17,)
+
+
+def test_preparing_local_files_writes_nothing_to_the_shared_datasets_cache(
+    tmp_path, monkeypatch
+) -> None:
+    """Local files are read into the preparation's own folder, which goes with it: two
+    preparations of one file at once once collided in `datasets`' shared cache (one found its
+    temporary file gone)."""
+    shared = tmp_path / "hf-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", shared)
+    (tmp_path / "notes.txt").write_text("\n".join(f"line {i} " + "word " * 12 for i in range(300)))
+    folder = prepare(make_cfg("data=text", f"data.files={tmp_path}/*.txt").data)
+    assert not shared.exists()
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
 
 
 def test_text_source_needs_files() -> None:

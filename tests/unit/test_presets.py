@@ -170,13 +170,12 @@ def test_a_prepared_corpus_is_described_in_words() -> None:
     assert "{" not in line
 
 
-def test_local_text_files_load_without_progress_bars(tmp_path: Path, monkeypatch, capfd) -> None:
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")  # nothing cached
+def test_local_text_files_load_without_progress_bars(tmp_path: Path, capfd) -> None:
     files = []
     for i in range(3):
         files.append(tmp_path / f"doc{i}.txt")
         files[-1].write_text(f"document {i}\n")
-    docs = _text_files(files)
+    docs = _text_files(files, tmp_path / "scratch")  # a new folder: nothing cached
     assert docs["text"] == ["document 0\n", "document 1\n", "document 2\n"]
     err = capfd.readouterr().err
     assert "Downloading data" not in err and "Generating train split" not in err
