@@ -44,6 +44,8 @@ generated code without any check, so whoever can write the folder runs code in e
 compiled launch. The folder (and each precision's) must be owned by this user and writable by no
 one else; the default is a per-user folder apart from the data cache (which may be shared), made
 with mode 0700, and with `cache_dir: null` Inductor's own default folder is held to the same rule.
+So is the folder of every other compile in the recipe (`sample.py compile=true`, the low-bit
+optimizer's compiled update): each calls `ready_inductor` first.
 """
 
 from __future__ import annotations
@@ -161,6 +163,21 @@ def barrier_before_reloads() -> None:
     TritonKernel.load = load_after_barrier  # type: ignore[method-assign]
 
 
+def ready_inductor(cache_dir: str | None, amp_dtype: torch.dtype | None = None) -> None:
+    """What any `torch.compile` of the recipe's needs first (the stage, `sample.py compile=true`,
+    the low-bit optimizer's compiled update): Inductor's cache folder private, or refused in one
+    line (`cache_dir`'s folder for `amp_dtype`, made the one Inductor uses; None: Inductor's
+    own), and the barrier before reloads. Inductor reads the folder when it first compiles,
+    lazily: this must run before that."""
+    if cache_dir:  # the folder and its precision's: whoever can write it can swap the other
+        folder = cache_folder(cache_dir, amp_dtype)
+        private_cache(folder.parent)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_cache(folder))
+    else:
+        private_cache(_inductor_default())
+    barrier_before_reloads()
+
+
 def apply_compile(
     model: torch.nn.Module,
     cfg: DictConfig,
@@ -177,14 +194,7 @@ def apply_compile(
     import torch._inductor.config as inductor_config
 
     inductor_config.coordinate_descent_tuning = cfg.coordinate_descent
-    barrier_before_reloads()
-    # Read by Inductor when it compiles (lazily, at the first step): checked before that.
-    if cfg.cache_dir:  # the folder and its precision's: whoever can write it can swap the other
-        folder = cache_folder(cfg.cache_dir, amp_dtype)
-        private_cache(folder.parent)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_cache(folder))
-    else:
-        private_cache(_inductor_default())
+    ready_inductor(cfg.cache_dir, amp_dtype)
     # Inductor's modes; other backends take none.
     options = {"backend": cfg.backend, "mode": cfg.mode if cfg.backend == "inductor" else None}
 

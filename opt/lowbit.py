@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from base.distributed import log
 from base.errors import ConfigError
+from opt.compile import ready_inductor
 from opt.stage import Context, Plan, Stage
 
 TAG = "lowbit_bits"  # marks a quantized moment saved as its parts; its value: 8 or 4
@@ -63,6 +64,7 @@ def optimizer_class(cfg: DictConfig, device_type: str = "cuda") -> type[torch.op
         ) from e
     base = AdamW8bit if cfg.bits == 8 else AdamW4bit
     fused = cfg.impl == "triton" and cfg.bits == 8
+    ready_inductor(cache_dir=None)  # torchao's update compiles, with or without +opt=compile
     optimizer_class = _lowbit_adamw(base, fused)
     how = (
         "our Triton kernel on CUDA, a launch for many tensors (kernels/triton_adamw8bit.py)"

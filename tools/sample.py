@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from base import errors
 from base.distributed import resolve_device
+from opt.compile import ready_inductor
 from recipe import config
 from recipe.precision import autocast
 from tools import generate, loading
@@ -66,6 +67,7 @@ def sample(cfg: DictConfig) -> list[str]:
     dtype = loading.dtype(cfg.dtype, device)
     model, _ = loading.load_model(cfg, device)
     if cfg.compile:
+        ready_inductor(cache_dir=None)
         model.compile()  # in place; the context grows each token: compiled with dynamic shapes
     texts = generate.sample(
         model, prompt, num_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens,

@@ -237,6 +237,34 @@ def test_a_planted_compile_cache_is_refused_before_any_of_it_is_read(tmp_path, f
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("program", ["sample.py compile=true", "the low-bit optimizer"])
+def test_a_planted_inductor_cache_is_refused_by_every_compile(
+    tmp_path, monkeypatch, hf_dir, program
+) -> None:
+    """Not only the compile stage compiles: with Inductor's own folder writable by others
+    (TORCHINDUCTOR_CACHE_DIR here), sampling compiled and torchao's compiled update refuse it
+    before they compile."""
+    cache, marker = tmp_path / "cc", tmp_path / "marker"
+    (cache / "fxgraph" / "pl").mkdir(parents=True)
+    (cache / "fxgraph" / "pl" / "planted").write_bytes(pickle.dumps(_Payload(marker)))
+    cache.chmod(0o777)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    with pytest.raises(errors.Unusable, match=r"compile cache .*cc.*pickles and compiled code"):
+        if program == "sample.py compile=true":
+            settings = (f"model.pretrained={hf_dir[0]}", "max_new_tokens=2", "compile=true")
+            sample_app.sample(tool_cfg("sample", *settings))
+        else:
+            pytest.importorskip("torchao")
+            tiny_run(
+                tmp_path / "run",
+                "train.max_steps=1",
+                "+opt=lowbit",
+                "opt.lowbit.impl=torchao",
+                *QUIET,
+            )
+    assert not marker.exists()
+
+
 # ---- 11. dead ends
 
 
