@@ -544,9 +544,12 @@ def test_compile_puts_a_barrier_before_inductors_reloads_of_a_stored_buffer(monk
         kernel.get_load_buffer(index).writeline(f"tmp = tl.load({name})")
 
     monkeypatch.setattr(TritonKernel, "load", load)
-    monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", None)
-    opt.compile.apply_compile(_toy(), _knobs("compile"))
-    torch._dynamo.reset()
+    # Inductor's own patch, not monkeypatch's: pytest >= 9.2 deletes a module attribute that its
+    # `__dict__` lacks on undo, and a deleted Inductor config reads as absent from then on.
+    with inductor_config.patch(post_grad_custom_pre_pass=None):
+        opt.compile.apply_compile(_toy(), _knobs("compile"))
+        torch._dynamo.reset()
+        key = inductor_config.post_grad_custom_pre_pass
 
     class Kernel:  # what the patched load reads of a kernel
         def __init__(self) -> None:
@@ -565,7 +568,7 @@ def test_compile_puts_a_barrier_before_inductors_reloads_of_a_stored_buffer(monk
         "tmp = tl.load(buf_other)",
     ]
     assert "get_load_buffer" not in vars(kernel)  # the kernel's own again
-    assert "barrier" in inductor_config.post_grad_custom_pre_pass.uuid()
+    assert "barrier" in key.uuid()
 
 
 @pytest.mark.parametrize(
