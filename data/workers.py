@@ -15,12 +15,19 @@ Telling the parent's signals from others' needs the sender's pid, which only `si
 the worker blocks both signals and a thread waits for them. Processes that a worker itself
 starts inherit the blocked signals (the trainer's workers start none). Where `sigwaitinfo` is
 missing (macOS), a worker ignores Ctrl-C only, and the parent-death signal is a no-op.
+
+A forked process also never collects the garbage it inherits. The parent's cyclic garbage may
+hold CUDA tensors (a test process that trained before, a trainer that prepares its corpus after
+touching the GPU); freeing one in a child, where CUDA cannot run, aborts the child, and the
+`multiprocess` pool that forked it then waits forever for its task. So every fork freezes the
+parent's objects out of the collector (`gc.freeze`), and the parent thaws its own right after.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -97,11 +104,20 @@ class WorkerInit:
 # `multiprocess` uses the fork start method on Linux.)
 _hardening = False
 _forking_pid = 0
+_froze_for_fork = False
 
 
 def _before_fork() -> None:
-    global _forking_pid
+    global _forking_pid, _froze_for_fork
     _forking_pid = os.getpid()
+    _froze_for_fork = gc.get_freeze_count() == 0  # someone else's freeze is theirs to undo
+    if _froze_for_fork:
+        gc.freeze()
+
+
+def _after_fork_in_parent() -> None:
+    if _froze_for_fork:
+        gc.unfreeze()
 
 
 def _after_fork_in_child() -> None:
@@ -109,7 +125,9 @@ def _after_fork_in_child() -> None:
         harden_worker(_forking_pid)
 
 
-os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+)
 
 
 @contextlib.contextmanager

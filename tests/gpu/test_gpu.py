@@ -4,6 +4,8 @@ run on a GPU machine with `pytest -m gpu`."""
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import statistics
 import time
 
@@ -93,6 +95,23 @@ def test_compile_modes_on_the_gpu(tmp_path, mode: str) -> None:
     compiled = [*args, "+opt=[amp,compile]", f"opt.compile.mode={mode}"]
     counters = compiled_against_eager(tmp_path, [*args, "+opt=amp"], compiled, rtol=2e-2)
     assert counters["stats"]["unique_graphs"] >= 1
+
+
+def test_a_forked_child_leaves_the_parents_cuda_garbage_alone() -> None:
+    # Freeing a CUDA tensor in a forked child aborts it. A process that trained before holds
+    # such garbage when it prepares a corpus (`datasets` forks); data.workers' fork hook keeps
+    # the parent's objects out of the child's collector.
+    gc.disable()  # the garbage must still be there when the fork happens
+    try:
+        holder: dict[str, object] = {"tensor": torch.ones(1 << 20, device="cuda")}
+        holder["cycle"] = holder
+        del holder
+        child = multiprocessing.get_context("fork").Process(target=gc.collect)
+        child.start()
+        child.join(60)
+    finally:
+        gc.enable()
+    assert child.exitcode == 0
 
 
 def test_gpu_metrics_are_reported(tmp_path) -> None:

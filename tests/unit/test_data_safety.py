@@ -4,6 +4,7 @@ process group's stop signals but not their parent."""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import multiprocessing
@@ -383,6 +384,39 @@ def test_a_hardened_worker_obeys_only_its_parents_stop_signal() -> None:
         assert worker.exitcode == -signal.SIGTERM
     finally:
         worker.kill()
+
+
+class _Freed:
+    """Cyclic garbage that records which process freed it."""
+
+    pids: list[int] = []
+
+    def __init__(self) -> None:
+        self.cycle = self
+
+    def __del__(self) -> None:
+        _Freed.pids.append(os.getpid())
+
+
+def _collect_and_report() -> None:
+    gc.collect()
+    sys.exit(len(_Freed.pids))  # how many of the parent's objects this child freed
+
+
+def test_a_forked_child_leaves_the_parents_garbage_to_the_parent() -> None:
+    # A child that freed the parent's CUDA garbage would abort (tests/gpu shows it): the fork
+    # hook keeps the parent's objects out of the child's collector.
+    gc.disable()  # the garbage must still be there when the fork happens
+    try:
+        _Freed()
+        child = multiprocessing.get_context("fork").Process(target=_collect_and_report)
+        child.start()
+        child.join(30)
+    finally:
+        gc.enable()
+    assert child.exitcode == 0
+    gc.collect()
+    assert _Freed.pids == [os.getpid()]  # the parent's collector still frees it
 
 
 def test_worker_init_composes_with_another_one(tmp_path) -> None:
