@@ -17,8 +17,8 @@ starts inherit the blocked signals (the trainer's workers start none). Where `si
 missing (macOS), a worker ignores Ctrl-C only, and the parent-death signal is a no-op.
 
 A forked process also never collects the garbage it inherits. The parent's cyclic garbage may
-hold CUDA tensors (a test process that trained before, a trainer that prepares its corpus after
-touching the GPU); freeing one in a child, where CUDA cannot run, aborts the child, and the
+hold pinned batches (a test process that trained before, a notebook that prepares a corpus after
+training); freeing one in a child, where CUDA cannot run, aborts the child, and the
 `multiprocess` pool that forked it then waits forever for its task. So every fork freezes the
 parent's objects out of the collector (`gc.freeze`), and the parent thaws its own right after.
 """

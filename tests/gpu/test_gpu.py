@@ -98,13 +98,16 @@ def test_compile_modes_on_the_gpu(tmp_path, mode: str) -> None:
 
 
 def test_a_forked_child_leaves_the_parents_cuda_garbage_alone() -> None:
-    # Freeing a CUDA tensor in a forked child aborts it. A process that trained before holds
-    # such garbage when it prepares a corpus (`datasets` forks); data.workers' fork hook keeps
-    # the parent's objects out of the child's collector.
+    # Freeing a pinned batch in a forked child aborts it (SIGABRT: its CUDA event cannot be
+    # queried there). A process that trained before holds such garbage when it prepares a
+    # corpus (`datasets` forks); data.workers' fork hook keeps the parent's objects out of the
+    # child's collector.
     gc.disable()  # the garbage must still be there when the fork happens
     try:
-        holder: dict[str, object] = {"tensor": torch.ones(1 << 20, device="cuda")}
+        holder: dict[str, object] = {"batch": torch.ones(1 << 20).pin_memory()}
+        holder["on_gpu"] = holder["batch"].cuda(non_blocking=True)  # type: ignore[attr-defined]
         holder["cycle"] = holder
+        torch.cuda.synchronize()
         del holder
         child = multiprocessing.get_context("fork").Process(target=gc.collect)
         child.start()
