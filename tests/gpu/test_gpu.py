@@ -4,8 +4,6 @@ run on a GPU machine with `pytest -m gpu`."""
 
 from __future__ import annotations
 
-import gc
-import multiprocessing
 import statistics
 import time
 
@@ -95,26 +93,6 @@ def test_compile_modes_on_the_gpu(tmp_path, mode: str) -> None:
     compiled = [*args, "+opt=[amp,compile]", f"opt.compile.mode={mode}"]
     counters = compiled_against_eager(tmp_path, [*args, "+opt=amp"], compiled, rtol=2e-2)
     assert counters["stats"]["unique_graphs"] >= 1
-
-
-def test_a_forked_child_leaves_the_parents_cuda_garbage_alone() -> None:
-    # Freeing a pinned batch in a forked child aborts it (SIGABRT: its CUDA event cannot be
-    # queried there). A process that trained before holds such garbage when it prepares a
-    # corpus (`datasets` forks); data.workers' fork hook keeps the parent's objects out of the
-    # child's collector.
-    gc.disable()  # the garbage must still be there when the fork happens
-    try:
-        holder: dict[str, object] = {"batch": torch.ones(1 << 20).pin_memory()}
-        holder["on_gpu"] = holder["batch"].cuda(non_blocking=True)  # type: ignore[attr-defined]
-        holder["cycle"] = holder
-        torch.cuda.synchronize()
-        del holder
-        child = multiprocessing.get_context("fork").Process(target=gc.collect)
-        child.start()
-        child.join(60)
-    finally:
-        gc.enable()
-    assert child.exitcode == 0
 
 
 def test_gpu_metrics_are_reported(tmp_path) -> None:

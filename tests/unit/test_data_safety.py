@@ -404,8 +404,9 @@ def _collect_and_report() -> None:
 
 
 def test_a_forked_child_leaves_the_parents_garbage_to_the_parent() -> None:
-    # A child that freed the parent's CUDA garbage would abort (tests/gpu shows it): the fork
-    # hook keeps the parent's objects out of the child's collector.
+    # A child that freed the parent's pinned batches would abort (SIGABRT on an H200: CUDA cannot
+    # run in a forked child): the fork hook keeps the parent's objects out of the child's
+    # collector.
     gc.disable()  # the garbage must still be there when the fork happens
     try:
         _Freed()
