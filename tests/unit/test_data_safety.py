@@ -4,6 +4,7 @@ process group's stop signals but not their parent."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
@@ -27,7 +28,7 @@ import data.integrity
 import data.sources
 from data.prepare import cache_folder, prepare, read_meta, remove_stale_tmp_folders, verify
 from data.windows import TokenWindows
-from data.workers import WorkerInit, hardened_forks
+from data.workers import PARENT_CHECK_S, WorkerInit, hardened_forks, sigterm_raises
 from helpers import ROOT, make_cfg, python
 
 preparation = importlib.import_module("data.prepare")  # `data.prepare` is the function
@@ -418,6 +419,105 @@ def test_a_forked_child_leaves_the_parents_garbage_to_the_parent() -> None:
     assert child.exitcode == 0
     gc.collect()
     assert _Freed.pids == [os.getpid()]  # the parent's collector still frees it
+
+
+_FORK_FROM_A_THREAD = """
+import sys, threading, time, multiprocessing
+sys.path.insert(0, ".")
+from data.workers import hardened_forks
+worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+
+def replace_a_worker():  # as a pool's thread does; it ends when the pool does
+    worker.start()
+    time.sleep(1)  # the worker has hardened itself meanwhile
+
+with hardened_forks():
+    thread = threading.Thread(target=replace_a_worker)
+    thread.start()
+    thread.join()
+print(worker.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@LINUX
+def test_a_worker_forked_by_another_thread_outlives_it_and_dies_with_its_parent() -> None:
+    # The parent-death signal fires when the forking *thread* ends. A pool's replacement worker,
+    # killed that way while it held the task queue's lock, hung the pool's terminate() forever.
+    parent = subprocess.Popen(
+        [python(), "-c", _FORK_FROM_A_THREAD], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        worker = int(parent.stdout.readline())
+        time.sleep(0.5)  # the forking thread ended before the pid was printed
+        assert not _dead([worker]), _state(worker)
+        parent.kill()
+        parent.wait()
+        assert _wait(lambda: _dead([worker]), timeout=3 * PARENT_CHECK_S), _state(worker)
+    finally:
+        parent.kill()
+
+
+def _stopped_inside_a_fork_hook() -> None:
+    # As an at-fork hook of a library would: it runs the inherited handler, and swallows what
+    # that raises.
+    handler = signal.getsignal(signal.SIGTERM)
+    assert callable(handler)
+    with contextlib.suppress(SystemExit):
+        handler(signal.SIGTERM, None)
+    time.sleep(30)
+
+
+@LINUX
+def test_a_process_forked_under_sigterm_raises_ends_on_its_sigterm() -> None:
+    # A pool's SIGTERM can reach a new worker before it sets its own handlers; raising there
+    # was swallowed by a fork hook, the worker lived on, and the pool's terminate() waited forever.
+    with sigterm_raises():
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        child = multiprocessing.get_context("fork").Process(target=_stopped_inside_a_fork_hook)
+        child.start()
+        child.join(10)
+    child.kill()
+    assert child.exitcode == 128 + signal.SIGTERM
+
+
+_WORKER_KILLED = """
+import os, signal, sys
+sys.path.insert(0, ".")
+import importlib
+from helpers import make_cfg
+preparation = importlib.import_module("data.prepare")
+parent = os.getpid()
+
+class KilledInAWorker:  # as the out-of-memory killer ends a worker
+    def encode_ordinary_batch(self, texts):
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return [[7] for _ in texts]
+
+preparation.gpt2_encoding = KilledInAWorker
+cfg = make_cfg("data=text", f"data.files={sys.argv[1]}/corpus/*.txt",
+               f"data.cache_dir={sys.argv[1]}/cache", "data.num_proc=4").data
+try:
+    preparation.prepare(cfg)
+except preparation.Unusable as e:
+    print(e)
+"""
+
+
+@LINUX
+def test_a_preparation_whose_worker_is_killed_ends_in_one_line(tmp_path) -> None:
+    _write_corpus(tmp_path, {f"{n}.txt": "a line of a corpus\n" * 50 for n in range(8)})
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    done = subprocess.run(
+        [python(), "-c", _WORKER_KILLED, str(tmp_path)], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    last = done.stdout.splitlines()[-1] if done.stdout else done.stderr
+    assert last.startswith("a process preparing text died (4 were running): killed by"), last
+    assert "data.num_proc=2 (less memory) or data.num_proc=1" in last
+    assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_worker_init_composes_with_another_one(tmp_path) -> None:
