@@ -23,9 +23,9 @@ missing (macOS), a worker ignores Ctrl-C only and does not die with its parent.
 
 A forked process also never collects the garbage it inherits. The parent's cyclic garbage may
 hold pinned batches (a test process that trained before, a notebook that prepares a corpus after
-training); freeing one in a child, where CUDA cannot run, aborts the child, and the
-`multiprocess` pool that forked it then waits forever for its task. So every fork freezes the
-parent's objects out of the collector (`gc.freeze`), and the parent thaws its own right after.
+training); freeing one in a child, where CUDA cannot run, aborts the child, and with it the
+preparation. So every fork freezes the parent's objects out of the collector (`gc.freeze`), and
+the parent thaws its own right after.
 """
 
 from __future__ import annotations
