@@ -63,9 +63,11 @@ def harden_worker(parent_pid: int) -> None:
     if not hasattr(signal, "sigtimedwait"):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return
+    # Blocked before their default action returns: a stop signal from the group that arrives
+    # while the worker sets up waits for the screen, where it would otherwise end the worker.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # threads started later inherit it
     for sig in STOP_SIGNALS:  # a signal from the parent does what it does by default: end us
         signal.signal(sig, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # threads started later inherit it
     threading.Thread(
         target=_screen_stop_signals, args=(parent_pid,), name="stop-signals", daemon=True
     ).start()

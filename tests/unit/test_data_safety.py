@@ -28,7 +28,13 @@ import data.integrity
 import data.sources
 from data.prepare import cache_folder, prepare, read_meta, remove_stale_tmp_folders, verify
 from data.windows import TokenWindows
-from data.workers import PARENT_CHECK_S, WorkerInit, hardened_forks, sigterm_raises
+from data.workers import (
+    PARENT_CHECK_S,
+    WorkerInit,
+    harden_worker,
+    hardened_forks,
+    sigterm_raises,
+)
 from helpers import ROOT, make_cfg, python
 
 preparation = importlib.import_module("data.prepare")  # `data.prepare` is the function
@@ -323,6 +329,19 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+def _hardened(pid: int) -> bool:
+    """Whether a worker has blocked both stop signals and started the thread that screens them."""
+    try:
+        status = dict(
+            line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        )
+    except OSError:
+        return False
+    stop_bits = sum(1 << (int(sig) - 1) for sig in (signal.SIGTERM, signal.SIGINT))
+    blocked = int(status["SigBlk"], 16) & stop_bits == stop_bits
+    return blocked and int(status["Threads"]) >= 2
+
+
 def _wait(condition: Callable[[], object], timeout: float) -> object:
     deadline = time.monotonic() + timeout
     while not (result := condition()) and time.monotonic() < deadline:
@@ -373,8 +392,10 @@ def test_a_hardened_worker_obeys_only_its_parents_stop_signal() -> None:
     with hardened_forks():
         worker = multiprocessing.get_context("fork").Process(target=_sleep, daemon=True)
         worker.start()
+    pid = worker.pid
+    assert pid is not None
     try:
-        time.sleep(0.5)  # the worker is set up right after the fork: give it time to start
+        assert _wait(lambda: _hardened(pid), timeout=30)  # a loaded machine is slow
         for sig in (signal.SIGTERM, signal.SIGINT):  # from another process: ignored
             kill = f"import os; os.kill({worker.pid}, {int(sig)})"
             subprocess.run([python(), "-c", kill], check=True)
@@ -385,6 +406,30 @@ def test_a_hardened_worker_obeys_only_its_parents_stop_signal() -> None:
         assert worker.exitcode == -signal.SIGTERM
     finally:
         worker.kill()
+
+
+def _harden_under_fire() -> None:
+    """Hardens this process while a stop signal arrives right after each handler it sets."""
+    set_handler = signal.signal
+
+    def set_then_signalled(sig: int, handler: object) -> object:
+        previous = set_handler(sig, handler)  # type: ignore[arg-type]
+        os.kill(os.getpid(), signal.SIGTERM)  # not the parent's: to be dropped
+        return previous
+
+    signal.signal = set_then_signalled  # type: ignore[assignment]
+    harden_worker(os.getppid())
+    time.sleep(2 * PARENT_CHECK_S)  # time for the screen to see the pending signals
+
+
+@LINUX
+def test_a_stop_signal_while_a_worker_hardens_does_not_end_it() -> None:
+    # A loaded machine can pause a starting worker anywhere in its set-up, and the group's
+    # SIGTERM can arrive then: the worker must not be left open to it at any point.
+    worker = multiprocessing.get_context("fork").Process(target=_harden_under_fire)
+    worker.start()
+    worker.join(30)
+    assert worker.exitcode == 0
 
 
 class _Freed:
