@@ -23,7 +23,7 @@ from data.prepare import SPLITS, prepare, prepared_folder, read_meta, verify
 from data.sampler import StepSampler
 from data.tokenizer import VOCAB_SIZE
 from data.windows import RandomTokens, TextWindows, TokenWindows
-from data.workers import WorkerInit
+from data.workers import WorkerInit, loader_context
 
 __all__ = [
     "DeviceBatches",
@@ -89,6 +89,7 @@ def _loader_kwargs(options: LoaderOptions) -> dict:
         "pin_memory": options.pin_memory,
         # Workers ignore the process group's SIGTERM/SIGINT (the trainer decides when to stop,
         # and saves a checkpoint first) and die with the trainer: data.workers.
+        "multiprocessing_context": loader_context() if workers else None,
         "worker_init_fn": WorkerInit() if workers else None,
     }
 

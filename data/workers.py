@@ -17,9 +17,13 @@ trainer then fails with "DataLoader worker ... killed by signal"). So a hardened
   is gone (it was then handed to another parent).
 
 Telling the parent's signals from others' needs the sender's pid, which only `sigtimedwait` gives:
-the worker blocks both signals and a thread waits for them. Processes that a worker itself
-starts inherit the blocked signals (the trainer's workers start none). Where `sigtimedwait` is
-missing (macOS), a worker ignores Ctrl-C only and does not die with its parent.
+the worker blocks both signals and a thread waits for them. A signal sent to a process goes to
+any of its threads that does not block it, and a thread started by a library's fork hook (as
+OpenTelemetry's, which wandb imports, does) runs before a DataLoader's `worker_init_fn`: so a
+hardened worker is forked with both signals already blocked, and every thread it ever has
+inherits that. Processes that a worker itself starts inherit the blocked signals (the trainer's
+workers start none). Where `sigtimedwait` is missing (macOS), a worker ignores Ctrl-C only and
+does not die with its parent.
 
 A forked process also never collects the garbage it inherits. The parent's cyclic garbage may
 hold pinned batches (a test process that trained before, a notebook that prepares a corpus after
@@ -33,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import multiprocessing.context
 import os
 import signal
 import sys
@@ -40,6 +45,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SCREENS_SIGNALS = hasattr(signal, "sigtimedwait")  # else a worker only ignores Ctrl-C
 PARENT_CHECK_S = 1.0  # how often a worker checks that its parent lives
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -57,10 +63,14 @@ def process_alive(pid: int) -> bool:
 
 def harden_worker(parent_pid: int) -> None:
     """Makes this process (a worker of `parent_pid`) die with its parent and obey stop signals
-    from its parent only. Call it first thing in the worker."""
+    from its parent only. Call it first thing in the worker; a second call does nothing."""
+    global _hardened_pid
+    if _hardened_pid == os.getpid():
+        return
+    _hardened_pid = os.getpid()
     if _forked_by_main_thread:
         _die_with_parent(parent_pid)
-    if not hasattr(signal, "sigtimedwait"):
+    if not SCREENS_SIGNALS:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return
     # Blocked before their default action returns: a stop signal from the group that arrives
@@ -99,8 +109,9 @@ def _screen_stop_signals(parent_pid: int) -> None:
 
 
 class WorkerInit:
-    """A DataLoader `worker_init_fn` that hardens each worker, then runs `then` (another
-    worker_init_fn) if given. Built in the training process, which it records as the parent."""
+    """A DataLoader `worker_init_fn` that hardens each worker (if `loader_context()` did not at
+    its fork), then runs `then` (another worker_init_fn) if given. Built in the training
+    process, which it records as the parent."""
 
     def __init__(self, then: Callable[[int], None] | None = None) -> None:
         self.parent_pid = os.getpid()
@@ -117,9 +128,11 @@ class WorkerInit:
 # every process forked, by any thread, while `hardened_forks()` is active. (`datasets` forks:
 # `multiprocess` uses the fork start method on Linux.)
 _hardening = False
+_hardened_pid = 0
 _forking_pid = 0
 _forked_by_main_thread = True  # what a worker started otherwise (spawn) assumes
 _froze_for_fork = False
+_forking_thread = threading.local()  # the forking thread's signal mask, restored after the fork
 
 
 def _before_fork() -> None:
@@ -129,11 +142,16 @@ def _before_fork() -> None:
     _froze_for_fork = gc.get_freeze_count() == 0  # someone else's freeze is theirs to undo
     if _froze_for_fork:
         gc.freeze()
+    _forking_thread.mask = None
+    if _hardening and SCREENS_SIGNALS:  # the child is born deaf: see the module's docstring
+        _forking_thread.mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 def _after_fork_in_parent() -> None:
     if _froze_for_fork:
         gc.unfreeze()
+    if _forking_thread.mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _forking_thread.mask)
 
 
 def _after_fork_in_child() -> None:
@@ -161,6 +179,24 @@ def hardened_forks() -> Iterator[None]:
         yield
     finally:
         _hardening = previous
+
+
+class _HardenedForkProcess(multiprocessing.context.ForkProcess):
+    def start(self) -> None:
+        with hardened_forks():
+            super().start()
+
+
+class _HardenedForkContext(multiprocessing.context.ForkContext):
+    Process = _HardenedForkProcess
+
+
+def loader_context() -> multiprocessing.context.BaseContext | None:
+    """The DataLoader's `multiprocessing_context`: forks hardened workers where the system forks
+    (None elsewhere: `WorkerInit` hardens them)."""
+    if "fork" not in multiprocessing.get_all_start_methods() or not SCREENS_SIGNALS:
+        return None
+    return _HardenedForkContext()
 
 
 @contextlib.contextmanager

@@ -3,17 +3,28 @@ it in a process group of its own and signals the whole group, as a scheduler doe
 
     python tests/unit/data_workers_probe.py
 
-It reads a batch from a loader with 2 workers and prints `ready`; it handles SIGTERM and SIGINT
+Like a trainer that imported wandb (whose OpenTelemetry starts a thread in every forked child),
+it starts a thread in each child at its fork. It reads a batch from a loader with 2 workers and
+prints `ready`; it handles SIGTERM and SIGINT
 itself (as the trainer does), and once it has seen both it reads 20 more batches (more than the
 workers had prefetched) and prints `batches <n>`. It then waits to be killed.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
+
+
+def _start_a_thread() -> None:
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+
+
+os.register_at_fork(after_in_child=_start_a_thread)  # before data's hook, as an earlier import's
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 

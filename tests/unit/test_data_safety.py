@@ -28,13 +28,7 @@ import data.integrity
 import data.sources
 from data.prepare import cache_folder, prepare, read_meta, remove_stale_tmp_folders, verify
 from data.windows import TokenWindows
-from data.workers import (
-    PARENT_CHECK_S,
-    WorkerInit,
-    harden_worker,
-    hardened_forks,
-    sigterm_raises,
-)
+from data.workers import PARENT_CHECK_S, WorkerInit, hardened_forks, sigterm_raises
 from helpers import ROOT, make_cfg, python
 
 preparation = importlib.import_module("data.prepare")  # `data.prepare` is the function
@@ -408,28 +402,35 @@ def test_a_hardened_worker_obeys_only_its_parents_stop_signal() -> None:
         worker.kill()
 
 
-def _harden_under_fire() -> None:
-    """Hardens this process while a stop signal arrives right after each handler it sets."""
-    set_handler = signal.signal
+_HARDEN_UNDER_FIRE = """
+import os, signal, sys, time
+sys.path.insert(0, ".")
+from data.workers import PARENT_CHECK_S, harden_worker
+set_handler = signal.signal
 
-    def set_then_signalled(sig: int, handler: object) -> object:
-        previous = set_handler(sig, handler)  # type: ignore[arg-type]
-        os.kill(os.getpid(), signal.SIGTERM)  # not the parent's: to be dropped
-        return previous
+def set_then_signalled(sig, handler):
+    previous = set_handler(sig, handler)
+    os.kill(os.getpid(), signal.SIGTERM)  # not the parent's: to be dropped
+    return previous
 
-    signal.signal = set_then_signalled  # type: ignore[assignment]
+pid = os.fork()
+if pid == 0:
+    assert len(os.listdir("/proc/self/task")) == 1  # no thread but this one to take a signal
+    signal.signal = set_then_signalled
     harden_worker(os.getppid())
     time.sleep(2 * PARENT_CHECK_S)  # time for the screen to see the pending signals
+    os._exit(0)
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
 
 
 @LINUX
 def test_a_stop_signal_while_a_worker_hardens_does_not_end_it() -> None:
     # A loaded machine can pause a starting worker anywhere in its set-up, and the group's
-    # SIGTERM can arrive then: the worker must not be left open to it at any point.
-    worker = multiprocessing.get_context("fork").Process(target=_harden_under_fire)
-    worker.start()
-    worker.join(30)
-    assert worker.exitcode == 0
+    # SIGTERM can arrive then: a stop signal right after each handler it sets must not end it.
+    # (Forked from a process of its own: a test process may hold fork hooks that start threads.)
+    done = subprocess.run([python(), "-c", _HARDEN_UNDER_FIRE], cwd=ROOT, timeout=60)
+    assert done.returncode == 0
 
 
 class _Freed:
