@@ -5,9 +5,9 @@ it in a process group of its own and signals the whole group, as a scheduler doe
 
 Like a trainer that imported wandb (whose OpenTelemetry starts a thread in every forked child),
 it starts a thread in each child at its fork. It reads a batch from a loader with 2 workers and
-prints `ready`; it handles SIGTERM and SIGINT
-itself (as the trainer does), and once it has seen both it reads 20 more batches (more than the
-workers had prefetched) and prints `batches <n>`. It then waits to be killed.
+prints `ready`; it handles SIGTERM and SIGINT itself (as the trainer does), and once it has seen
+both it reads 20 more batches (more than the workers had prefetched) and prints `batches <n>`.
+It then waits to be killed.
 """
 
 from __future__ import annotations
