@@ -450,17 +450,24 @@ def _collect_and_report() -> None:
     sys.exit(len(_Freed.pids))  # how many of the parent's objects this child freed
 
 
-def test_a_forked_child_leaves_the_parents_garbage_to_the_parent() -> None:
+@pytest.mark.parametrize("frozen_before", [False, True], ids=["nothing_frozen", "some_frozen"])
+def test_a_forked_child_leaves_the_parents_garbage_to_the_parent(frozen_before: bool) -> None:
     # A child that freed the parent's pinned batches would abort (SIGABRT on an H200: CUDA cannot
     # run in a forked child): the fork hook keeps the parent's objects out of the child's
-    # collector.
+    # collector, also where the process froze objects of its own earlier (as on the H200).
+    ours = frozen_before and gc.get_freeze_count() == 0
+    _Freed.pids.clear()
     gc.disable()  # the garbage must still be there when the fork happens
     try:
+        if ours:
+            gc.freeze()
         _Freed()
         child = multiprocessing.get_context("fork").Process(target=_collect_and_report)
         child.start()
         child.join(30)
     finally:
+        if ours:
+            gc.unfreeze()
         gc.enable()
     assert child.exitcode == 0
     gc.collect()
