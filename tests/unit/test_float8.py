@@ -321,9 +321,12 @@ def _late_loss(run_dir) -> float:
     ],
     ids=["tensorwise", "rowwise_ac"],
 )  # fmt: skip
-def test_gpt2_trains_in_float8_as_in_bfloat16(tmp_path, knobs: list[str]) -> None:
-    """60 steps of GPT-2 124M on Shakespeare: the last 10 losses' mean within 0.05 of the
-    bfloat16 run's (about 3 minutes on an H100, compile included)."""
+def test_gpt2_trains_in_float8_as_well_as_in_bfloat16(tmp_path, knobs: list[str]) -> None:
+    """60 steps of GPT-2 124M on Shakespeare: the last 10 losses' mean no more than 0.05 above
+    the bfloat16 run's (about 3 minutes on an H100, compile included). One short run's loss
+    moves with float8's rounding (on an H200, tensorwise once ended 0.067 below
+    bfloat16's): the test catches float8 training worse; how close the two are over seeds is
+    `scripts/quality.py`'s question."""
     import torch._dynamo
 
     from train import train
@@ -334,7 +337,7 @@ def test_gpt2_trains_in_float8_as_in_bfloat16(tmp_path, knobs: list[str]) -> Non
     train(make_cfg(*GPU_124M, steps, *knobs), tmp_path / "float8")
     torch._dynamo.reset()
     bf16, f8 = _late_loss(tmp_path / "bf16"), _late_loss(tmp_path / "float8")
-    assert f8 < 8.0 and abs(f8 - bf16) < 0.05, (f8, bf16)
+    assert f8 < 8.0 and f8 - bf16 < 0.05, (f8, bf16)
 
 
 @pytest.mark.gpu
