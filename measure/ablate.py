@@ -44,9 +44,10 @@ kernel family, and the table the change of each family against the row before
 Results: `<out_dir>/<device>/<ladder>.{json,csv,md,png}` (`outputs/ablate/results/`, untracked;
 `publish=true` writes them into `docs/results/<device>/`, the shipped ones), with the command, the
 git commit, the GPU, the driver and the library versions; rerunning some steps updates their
-rows. The table compares each row with step 0, or with the row named by the ladder's `reference`
-(the memory_xl ladder's target is relative to its `ac` row), in memory and in tokens/s; it is
-printed at the end.
+rows, and two calls publishing one ladder at once (a ladder on each GPU of a host) keep each
+other's rows. The table compares each row with step 0, or with the row named by the ladder's
+`reference` (the memory_xl ladder's target is relative to its `ac` row), in memory and in
+tokens/s; it is printed at the end.
 A failing step, or a results file that cannot be written (its error is in the json's
 `report_errors`), never stops the steps after it.
 """
@@ -73,7 +74,6 @@ def main(argv: list[str]) -> list[dict]:
     repeats = ladders.repeat_count(cfg, ladder)
     profile = ladder_profile.enabled(cfg, ladder)
     folder = ladder_results.results_dir(cfg) / ladder_results.slug(device_name())
-    kept, segments = ladder_results.earlier_results(folder / f"{ladder.name}.json")
     call = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")  # unique per call
     runs_dir = Path(cfg.runs_dir).resolve() / f"{ladder.name}-{call}"
     env = environment(["python", "scripts/ablate.py", *argv])
@@ -85,6 +85,7 @@ def main(argv: list[str]) -> list[dict]:
     )
     measured = ([anchor] if anchor else []) + chosen
     runs: dict[str, list[dict]] = {p["name"]: [] for p in measured}
+    mine: dict[str, dict] = {}  # this call's rows, by step
     segment: dict[str, Any] = {
         "call": call,
         "steps": [p["name"] for p in chosen],
@@ -92,7 +93,7 @@ def main(argv: list[str]) -> list[dict]:
         "command": env.get("command"),
         "anchor": None,  # the anchor's row, once it ran
     }
-    errors: list[str] = []
+    published = ladder_results.Published(rows=[], segments=[], errors=[])
     for repeat, plan in ladders.interleaved(measured, repeats):
         done = runs[plan["name"]]
         if done and done[-1]["status"] != "ok":
@@ -100,27 +101,19 @@ def main(argv: list[str]) -> list[dict]:
         done.append(runner.run_step(plan, ladder, cfg, runs_dir, repeat if repeats > 1 else None))
         for p in chosen:
             if runs[p["name"]]:
-                kept[p["name"]] = stats.aggregate(runs[p["name"]], call)
+                mine[p["name"]] = stats.aggregate(runs[p["name"]], call)
         if anchor and runs[anchor["name"]]:
             segment["anchor"] = stats.aggregate(runs[anchor["name"]], call)
-            own = kept.get(anchor["name"])
-            if own is None or own.get("call") == call:  # no row of its own yet: this is it
-                kept[anchor["name"]] = segment["anchor"]
-        rows = ladders.in_ladder_order(plans, kept)
-        # The segments some row still comes from, this one last (its anchor stands in for rows
-        # of earlier calls).
-        calls = {r.get("call") for r in rows}
-        segments = [s for s in segments if s["call"] in calls and s["call"] != call]
         # After every run: a killed ladder keeps its results.
-        errors = ladder_results.publish(ladder, rows, env, folder, [*segments, segment])
+        published = ladder_results.publish_call(ladder, plans, mine, segment, env, folder)
     for plan in measured if profile else []:  # after every timed run: none of them is profiled
-        row = segment["anchor"] if plan is anchor else kept[plan["name"]]
+        row = segment["anchor"] if plan is anchor else mine[plan["name"]]
         if row["status"] == "ok":
             row.update(runner.profile_step(plan, ladder, cfg, runs_dir))
-            rows = ladders.in_ladder_order(plans, kept)
-            errors = ladder_results.publish(ladder, rows, env, folder, [*segments, segment])
+            published = ladder_results.publish_call(ladder, plans, mine, segment, env, folder)
+    rows, errors = published.rows, published.errors
     with contextlib.suppress(Exception):  # a table that cannot be made is in `errors` already
-        table = ladder_table.markdown(ladder, rows, env, [*segments, segment])
+        table = ladder_table.markdown(ladder, rows, env, published.segments)
         print("\n" + table.split("\n## ")[0], flush=True)  # the table, without the environment
     if errors:
         raise SystemExit(f"ablate.py: every step ran, but some results were not written: {errors}")

@@ -1,15 +1,19 @@
 """A ladder's results files: `<out_dir>/<device>/<ladder>.{json,csv,md,png}`, written after every
-run (each file on its own: one that fails does not cost the others), the earlier call's rows
-that a call updates, and `report=`: the chart redrawn and the table printed from a json."""
+run (each file on its own: one that fails does not cost the others) with the rows of other calls
+that are there at that moment, and `report=`: the chart redrawn and the table printed from a
+json."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import json
+import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from omegaconf import DictConfig
 
@@ -74,6 +78,51 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "stages": "+".join(row["stages"])})
+
+
+class Published(NamedTuple):
+    rows: list[dict]
+    segments: list[dict]
+    errors: list[str]  # the files that could not be written
+
+
+def publish_call(
+    ladder: DictConfig,
+    plans: list[dict],
+    mine: dict[str, dict],
+    segment: dict,
+    env: dict,
+    folder: Path,
+) -> Published:
+    """Publishes one call's rows (`mine`, by step) and its segment into the ladder's results,
+    merged with the rows there *now*: another call publishing the same ladder meanwhile (a
+    ladder on each GPU of one host) keeps its rows. Reading and writing hold a lock on the
+    folder, so the two never interleave."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder):
+        kept, segments = earlier_results(folder / f"{ladder.name}.json")
+        call, anchor = segment["call"], segment.get("anchor")
+        if anchor:
+            own = kept.get(anchor["name"])
+            if own is None or own.get("call") == call:  # no row of its own yet: this is it
+                kept[anchor["name"]] = anchor
+        kept.update(mine)
+        rows = ladders.in_ladder_order(plans, kept)
+        # The segments some row still comes from, this one last (its anchor stands in for rows
+        # of other calls).
+        calls = {r.get("call") for r in rows}
+        segments = [s for s in segments if s["call"] in calls and s["call"] != call] + [segment]
+        return Published(rows, segments, publish(ladder, rows, env, folder, segments))
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def earlier_results(path: Path) -> tuple[dict[str, dict], list[dict]]:

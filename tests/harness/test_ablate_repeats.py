@@ -344,3 +344,31 @@ def test_rows_from_before_call_ids_are_one_call_only_at_one_commit() -> None:
     assert same is not None and same["interval"] == [2.0, 2.0] and not same["across_calls"]
     across = stats.speed_ratio(row, {**before, "git_commit": "bbb"}, {})
     assert across is not None and across["across_calls"] and across["interval"] is None
+
+
+def test_two_calls_writing_one_ladders_results_keep_each_others_rows(monkeypatch, tmp_path) -> None:
+    # Two lanes of one host (a ladder on each GPU) publish into the same json: a call that runs
+    # while another publishes must not drop the other's rows when it writes its own.
+    other = FakeRuns(machine=0.5)
+    fake = FakeRuns()
+
+    def launch_and_let_another_call_publish(agents, run_dir: Path, timeout_s: float):
+        if not other.order:  # the other lane finishes while this one runs its first step
+            monkeypatch.setattr(runner, "launch", other)
+            ablate.main([f"out_dir={tmp_path / 'results'}", f"runs_dir={tmp_path / 'runs'}",
+                         "ladder=quick", "repeats=1", "steps=[ac]", "anchor=none"])  # fmt: skip
+            monkeypatch.setattr(runner, "launch", launch_and_let_another_call_publish)
+        return fake(agents, run_dir, timeout_s)
+
+    monkeypatch.setattr(ladder_chart, "chart", lambda *args: None)
+    monkeypatch.setattr(runner, "launch", launch_and_let_another_call_publish)
+    ablate.main([f"out_dir={tmp_path / 'results'}", f"runs_dir={tmp_path / 'runs'}",
+                 "ladder=quick", "repeats=1", "steps=[baseline,bs]"])  # fmt: skip
+    folder = tmp_path / "results" / ladder_results.slug(ablate.device_name())
+    result = json.loads((folder / "quick.json").read_text())
+    by_name = {r["name"]: r for r in result["steps"]}
+    assert sorted(by_name) == ["ac", "baseline", "bs"]
+    assert by_name["ac"]["tokens_per_sec_runs"] == [75.0]  # the other lane's, kept
+    assert by_name["bs"]["tokens_per_sec_runs"] == [200.0]
+    assert {s["call"] for s in result["segments"]} == {by_name["ac"]["call"], by_name["bs"]["call"]}
+    assert "| `ac` |" in (folder / "quick.md").read_text()
