@@ -126,7 +126,7 @@ def _locked(folder: Path) -> Iterator[None]:
 
 
 def earlier_results(path: Path) -> tuple[dict[str, dict], list[dict]]:
-    """The rows (by step name) and segments of an earlier call, which this one updates."""
+    """The rows (by step name) and segments on disk, which a call's publication merges with."""
     if not path.exists():
         return {}, []
     result = json.loads(path.read_text())
