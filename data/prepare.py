@@ -49,7 +49,8 @@ from data.identity import corpus_identity
 from data.integrity import check_file, file_record
 from data.sources import corpus_label, load_documents
 from data.tokenizer import EOT, TOKEN_DTYPE, TOKENIZER, VOCAB_SIZE, gpt2_encoding
-from data.workers import hardened_forks, sigterm_raises, worker_died
+from base.signals import sigterm_raises
+from data.workers import hardened_forks, worker_died
 
 SPLITS = ("train", "val")
 SUFFIXES = ("bin", "txt")

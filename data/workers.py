@@ -205,32 +205,3 @@ def loader_context() -> multiprocessing.context.BaseContext | None:
     if "fork" not in multiprocessing.get_all_start_methods() or not SCREENS_SIGNALS:
         return None
     return _HardenedForkContext()
-
-
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """Inside the block, SIGTERM raises SystemExit(143) where it would otherwise kill the process
-    outright, so that `finally` clauses and context managers clean up (a half-written folder, a
-    process pool). A handler someone else installed (the trainer's) is left alone."""
-    main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-    received: list[int] = []
-    owner = os.getpid()
-
-    def _raise(signum: int, frame: object) -> None:
-        if os.getpid() != owner:  # a process forked in the block, stopped (by its pool) before
-            os._exit(128 + signum)  # it set its own handlers: it ends, as it would by default
-        received.append(signum)
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _raise)
-    try:
-        yield
-    except BaseException as e:
-        if received and not isinstance(e, SystemExit):  # replaced on its way out (datasets'
-            raise SystemExit(128 + received[0]) from e  # pool raises a TimeoutError instead)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)

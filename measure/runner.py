@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from base.signals import sigterm_raises
 from launch.provenance import git_commit
 from launch.torchrun import descendants, torchrun
 from measure import ladder_profile, stats
@@ -170,20 +171,27 @@ def launch(
     logs = [
         run_dir / ("output.txt" if i == 0 else f"output-node{i}.txt") for i in range(len(agents))
     ]
-    procs = []
-    for (command, env), log in zip(agents, logs, strict=True):
-        with open(log, "w") as out:
-            procs.append(
-                subprocess.Popen(
-                    command,
-                    cwd=ROOT,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
-                    start_new_session=True,  # its own process group: killable as a whole
-                )  # fmt: skip
-            )
-    timed_out = not wait_all(procs, deadline=started + timeout_s)
+    procs: list[subprocess.Popen] = []
+    # The step's processes run in sessions of their own, out of reach of the signals sent to
+    # this one's group: a SIGTERM to the harness (`timeout`, a scheduler) or Ctrl-C stops them
+    # here, or they would go on holding the GPU under the next call's measurements.
+    with sigterm_raises():
+        try:
+            for (command, env), log in zip(agents, logs, strict=True):
+                with open(log, "w") as out:
+                    procs.append(
+                        subprocess.Popen(
+                            command,
+                            cwd=ROOT,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+                            start_new_session=True,  # its own process group: killable as a whole
+                        )  # fmt: skip
+                    )
+            timed_out = not wait_all(procs, deadline=started + timeout_s)
+        finally:
+            stop(procs)
     output = "".join(log.read_text(errors="replace") for log in logs)
     if timed_out:
         status = "timeout"
@@ -235,25 +243,22 @@ def failure_reason(output: str) -> str:
 
 
 def wait_all(procs: list[subprocess.Popen], deadline: float) -> bool:
-    """Waits for the step's processes; False on a timeout. When one fails the others are
-    stopped (an agent whose peer died would wait for it in the rendezvous). Whatever is left
-    is killed with all its descendants: torchrun's workers run in sessions of their own, so
-    they do not die with the agent."""
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.time() > deadline:
-                return False
-            if any(p.returncode for p in procs):
-                return True
-            time.sleep(0.5)
-        return True
-    finally:
-        stop(procs)
+    """Waits for the step's processes; False on a timeout. It returns as soon as one fails: the
+    others are stopped then (an agent whose peer died would wait for it in the rendezvous)."""
+    while any(p.poll() is None for p in procs):
+        if time.time() > deadline:
+            return False
+        if any(p.returncode for p in procs):
+            return True
+        time.sleep(0.5)
+    return True
 
 
 def stop(procs: list[subprocess.Popen], grace_s: float = 20) -> None:
     """SIGTERM first (torchrun passes it to its workers, the trainer checkpoints and exits),
-    then SIGKILL for every process of the step still alive after `grace_s`."""
+    then SIGKILL for every process of the step still alive after `grace_s`, with all its
+    descendants: torchrun's workers run in sessions of their own, so they do not die with the
+    agent."""
     running = [p for p in procs if p.poll() is None]
     if not running:
         return

@@ -1,7 +1,7 @@
 """The ablation harness: ladders accumulate as configured, and a CPU-sized ladder writes its
 table, CSV, JSON and chart, recording a failed or out-of-memory step and going on; multi-process
-steps (several GPUs, several "machines") carry their per-GPU efficiency, and a timed-out step
-leaves no process behind."""
+steps (several GPUs, several "machines") carry their per-GPU efficiency, and a timed-out step,
+or a harness stopped by SIGTERM, leaves no process behind."""
 
 from __future__ import annotations
 
@@ -100,6 +100,40 @@ def test_ctrl_c_on_the_harness_ends_in_one_line(tmp_path) -> None:
     out, err = proc.communicate(timeout=120)
     assert "Traceback" not in out + err, err[-3000:]
     assert err.strip().splitlines() == ["ablate.py: interrupted"] and proc.returncode == 130
+
+
+def _processes_of(runs_dir: Path) -> list[str]:
+    """The pids of the processes whose command line names a run folder in `runs_dir` (the
+    steps' processes; not the harness, which names `runs_dir` itself)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if f"{runs_dir}{os.sep}" in cmdline.read_text(errors="replace"):
+                found.append(cmdline.parent.name)
+        except OSError:
+            continue
+    return found
+
+
+def test_sigterm_to_the_harness_stops_its_running_step(tmp_path) -> None:
+    # `timeout` and schedulers signal the harness's group; the step runs in a session of its
+    # own, so it would otherwise go on training (on a GPU: under the next call's measurements).
+    runs = tmp_path / "runs"
+    endless = "extra=['wandb.mode=disabled','train.max_steps=1000000']"
+    command = [python(), "scripts/ablate.py", "ladder=quick", f"out_dir={tmp_path / 'results'}",
+               f"runs_dir={runs}", endless]  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while not _processes_of(runs) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert _processes_of(runs), "the harness's first step never started"
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert not _processes_of(runs), f"the step outlived its harness:\n{out[-3000:]}"
 
 
 @pytest.mark.slow
@@ -359,14 +393,7 @@ def test_a_timed_out_step_leaves_no_process_behind(tmp_path) -> None:
     started = time.time()
     rows, _ = _run_steps(tmp_path, [step], timeout_s=25)
     assert rows[0]["status"] == "timeout" and time.time() - started < 90
-    run_dir = str(tmp_path / "runs")
-    left = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if run_dir in cmdline.read_text(errors="replace"):
-                left.append(cmdline.parent.name)
-        except OSError:
-            continue
+    left = _processes_of(tmp_path / "runs")
     assert not left, f"processes of the timed-out step still running: {left}"
 
 

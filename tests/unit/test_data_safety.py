@@ -28,7 +28,8 @@ import data.integrity
 import data.sources
 from data.prepare import cache_folder, prepare, read_meta, remove_stale_tmp_folders, verify
 from data.windows import TokenWindows
-from data.workers import PARENT_CHECK_S, WorkerInit, hardened_forks, sigterm_raises
+from base.signals import sigterm_raises
+from data.workers import PARENT_CHECK_S, WorkerInit, hardened_forks
 from helpers import ROOT, make_cfg, python
 
 preparation = importlib.import_module("data.prepare")  # `data.prepare` is the function
