@@ -162,10 +162,13 @@ def profile_step(plan: dict, ladder: DictConfig, cfg: DictConfig, runs_dir: Path
 
 
 def launch(
-    agents: list[tuple[list[str], dict[str, str]]], run_dir: Path, timeout_s: float
+    agents: list[tuple[list[str], dict[str, str]]],
+    run_dir: Path,
+    timeout_s: float,
+    cwd: Path = ROOT,
 ) -> tuple[str, str, dict]:
-    """Runs a step's processes to their end (or its timeout): its status (ok, oom, failed,
-    timeout), its output and the run's summary.json (empty when it wrote none)."""
+    """Runs a step's processes (from `cwd`) to their end (or its timeout): its status (ok, oom,
+    failed, timeout), its output and the run's summary.json (empty when it wrote none)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     logs = [
@@ -182,7 +185,7 @@ def launch(
                     procs.append(
                         subprocess.Popen(
                             command,
-                            cwd=ROOT,
+                            cwd=cwd,
                             stdout=out,
                             stderr=subprocess.STDOUT,
                             env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},

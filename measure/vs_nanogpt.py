@@ -32,19 +32,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from measure import stats
+from measure import runner, stats
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 1024  # tokens per sequence, both sides
@@ -165,9 +162,9 @@ def ours_configs(batches: list[int], variants: list[str]) -> list[dict[str, Any]
 def run_one(
     name: str, argv: list[str], bench: Path | None, run_dir: Path, batch: int, timeout_s: float
 ) -> dict[str, Any]:
-    """One run in its own process group (killed whole on a timeout): bench.py from a copy of
-    `bench` (it reads configurator.py and model.py from its working directory), else train.py
-    with `run_dir` as its run folder."""
+    """One run, as the ablation harness runs a step (its own process group, stopped whole on a
+    timeout, Ctrl-C or SIGTERM): bench.py from a copy of `bench` (it reads configurator.py and
+    model.py from its working directory), else train.py with `run_dir` as its run folder."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cwd = ROOT
     if bench is not None:
@@ -178,25 +175,17 @@ def run_one(
         argv = [*argv, f"hydra.run.dir={run_dir.resolve()}"]
     print(f"[vs_nanogpt] {run_dir.name}: {shlex.join(argv[1:])}", flush=True)
     started = time.time()
-    proc = subprocess.Popen(
-        argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-    (run_dir / "output.txt").write_text(output)
+    status, output, _ = runner.launch([(argv, {})], run_dir, timeout_s, cwd=cwd)
     if bench is not None:
         numbers = {"tokens_per_sec": bench_tokens_per_sec(output, batch)}
     else:
         numbers = ours_tokens_per_sec(run_dir, warmup_steps=10)
-    ok = proc.returncode == 0 and numbers["tokens_per_sec"] is not None
+    if status == "ok" and numbers["tokens_per_sec"] is None:
+        status = "failed"  # it ended well but printed no speed
     run: dict[str, Any] = {"config": name, "wall_s": round(time.time() - started, 1), **numbers}
-    run["status"] = "ok" if ok else f"failed (exit {proc.returncode})"
-    if not ok:
-        run["error"] = output.strip().splitlines()[-3:]
+    run["status"] = status
+    if status != "ok":
+        run["error"] = runner.failure_reason(output)
     print(f"[vs_nanogpt]   -> {run['status']}, {run['tokens_per_sec']} tokens/s", flush=True)
     return run
 

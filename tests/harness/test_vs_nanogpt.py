@@ -1,10 +1,14 @@
 """scripts/vs_nanogpt.py: what bench.py and our runs print and write is parsed into tokens/s, the
 equal-work ratios and the headlines come from interleaved rounds with their intervals, the md
-states the batch, biases and math of every comparison, and the first-schema json still renders."""
+states the batch, biases and math of every comparison, the first-schema json still renders, and
+a SIGTERM to the comparison stops the run it waits for."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import fake_vs_nanogpt_result, vs_nanogpt_config
+from data.workers import process_alive
+from helpers import ROOT, fake_vs_nanogpt_result, vs_nanogpt_config
 from measure import vs_nanogpt
 
 BENCH_OUTPUT = """Compiling model...
@@ -146,7 +151,34 @@ def test_run_one_runs_bench_py_from_a_copy_of_its_folder(tmp_path) -> None:
     assert "time per iteration" in (tmp_path / "run/output.txt").read_text()
     (bench / "bench.py").write_text("raise SystemExit(3)\n")
     failed = vs_nanogpt.run_one("bench.py b8", argv, bench, tmp_path / "r2", batch=8, timeout_s=60)
-    assert failed["status"] == "failed (exit 3)" and failed["tokens_per_sec"] is None
+    assert failed["status"] == "failed" and failed["tokens_per_sec"] is None
+    (bench / "bench.py").write_text("raise ValueError('no GPU here')\n")
+    failed = vs_nanogpt.run_one("bench.py b8", argv, bench, tmp_path / "r3", batch=8, timeout_s=60)
+    assert failed["error"] == "ValueError: no GPU here"
+
+
+def test_a_sigterm_to_the_comparison_stops_the_run_it_is_waiting_for(tmp_path) -> None:
+    # `timeout` signals the comparison's group; the run it waits for is in a session of its own.
+    bench = tmp_path / "nanogpt"
+    bench.mkdir()
+    pid_file = tmp_path / "bench.pid"
+    (bench / "bench.py").write_text(
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    )
+    waiting = (
+        "import sys; from pathlib import Path; from measure import vs_nanogpt; "
+        f"vs_nanogpt.run_one('b8', [sys.executable, 'bench.py'], Path({str(bench)!r}), "
+        f"Path({str(tmp_path / 'run')!r}), batch=8, timeout_s=600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", waiting], cwd=ROOT, start_new_session=True)
+    deadline = time.time() + 60
+    while not pid_file.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)  # the pid written
+    bench_pid = int(pid_file.read_text())
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not process_alive(bench_pid), "bench.py outlived the comparison"
 
 
 @pytest.mark.slow  # a tiny train.py in a subprocess: ~20 s of CPU
