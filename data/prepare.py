@@ -44,12 +44,12 @@ import numpy as np
 from omegaconf import DictConfig
 
 from base.errors import ConfigError, MissingFile, Unusable
+from base.signals import sigterm_raises
 from data.config import check_config
 from data.identity import corpus_identity
 from data.integrity import check_file, file_record
 from data.sources import corpus_label, load_documents
 from data.tokenizer import EOT, TOKEN_DTYPE, TOKENIZER, VOCAB_SIZE, gpt2_encoding
-from base.signals import sigterm_raises
 from data.workers import hardened_forks, worker_died
 
 SPLITS = ("train", "val")

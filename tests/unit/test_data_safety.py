@@ -26,9 +26,9 @@ import torch
 import data
 import data.integrity
 import data.sources
+from base.signals import sigterm_raises
 from data.prepare import cache_folder, prepare, read_meta, remove_stale_tmp_folders, verify
 from data.windows import TokenWindows
-from base.signals import sigterm_raises
 from data.workers import PARENT_CHECK_S, WorkerInit, hardened_forks
 from helpers import ROOT, make_cfg, python
 
