@@ -7,7 +7,7 @@ their final validation losses compared by a significance test, against a toleran
     python scripts/quality.py --out q --seeds 5 --candidate "+opt=[...]" device=cpu
     python scripts/quality.py --report docs/results/<gpu>/quality.json    # its .md and .png again
     python scripts/quality.py --out q_a --candidate "A" --out q_b --candidate "B"  # one reference
-    python scripts/quality.py --out q --jobs 4       # 4 runs at a time on one GPU
+    python scripts/quality.py --out q --jobs 4       # 4 runs at a time (over the visible GPUs)
 
 Several candidates (`--out` given again, each with its own `--candidate` and `--title`, paired
 in order) share one reference: its runs are made once, interleaved with every candidate's
@@ -15,10 +15,12 @@ in order) share one reference: its runs are made once, interleaved with every ca
 report against them, so judging N changes costs N + 1 arms instead of 2N.
 
 `--jobs N` trains N runs at a time, in the same interleaved order (each run's output in its
-folder's `quality_stdout.log`). A 300-step run of GPT-2 124M keeps an H100 busy for only part
-of its ~45 s (start-up and compilation are the rest, on the host): 4 at a time judged 21 runs
-in 431 s on an H100, half of their time one by one. The losses do not depend on it (the math
-is the same); the speeds do, so a report of shared runs shows none.
+folder's `quality_stdout.log`), spread over the visible GPUs (run k of those running on GPU
+k mod G). A 300-step run of GPT-2 124M keeps an H100 busy for only part of its ~45 s (start-up
+and compilation are the rest, on the host): 4 at a time judged 21 runs in 431 s on an H100,
+half of their time one by one. On a host of 2 GPUs, `--jobs 2` trains two of GPT-2 XL's runs
+at once, one on each. The losses do not depend on it (the math is the same); the speeds do
+(runs beside each other share the host, or a GPU), so a report of shared runs shows none.
 
 Writes <out>.json (every run's curve and command, each arm's mean, std and range, the test),
 <out>.md and <out>.png: every seed's curve, named by its arm's configuration, and below them the
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import re
 import shlex
 import shutil
@@ -49,7 +53,7 @@ from typing import Any
 from base import errors
 from base.files import read_json, shape_problem
 from launch.provenance import environment
-from measure import stats
+from measure import runner, stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,8 +73,8 @@ ARMS = ("reference", "candidate")
 NUMBER, MAYBE = float, (float, None)
 RUN = {"command": str, "val_loss": {re.compile(r"\d+"): NUMBER}, "tokens_per_sec?": MAYBE}
 SPREAD = {"mean": NUMBER, "std": MAYBE, "min": NUMBER, "max": NUMBER}
-REPORT = {"workload": str, "tolerance": NUMBER, "title?": str, "jobs?": int, "alpha?": MAYBE,
-          "environment?": {str: object}}  # fmt: skip
+REPORT = {"workload": str, "tolerance": NUMBER, "title?": str, "jobs?": int, "gpus?": int,
+          "alpha?": MAYBE, "environment?": {str: object}}  # fmt: skip
 ONE_SEED_REPORT = {**REPORT, "runs": {arm: RUN for arm in ARMS}}
 SEEDS_REPORT = {
     **REPORT,
@@ -86,10 +90,13 @@ SEEDS_REPORT = {
 }
 
 
-def run(name: str, stages: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One training run of an arm with `train.seed=seed`: its validation curve and speed. A run
-    that an interrupted call of the same command finished in `--runs-dir` is read, not repeated
-    (a GPU call cut off by its time limit goes on where it stopped)."""
+def run(
+    name: str, stages: str, seed: int, args: argparse.Namespace, gpu: str | None = None
+) -> dict[str, Any]:
+    """One training run of an arm with `train.seed=seed` (on `gpu`, as CUDA_VISIBLE_DEVICES
+    names it; None: every visible one): its validation curve and speed. A run that an
+    interrupted call of the same command finished in `--runs-dir` is read, not repeated (a GPU
+    call cut off by its time limit goes on where it stopped)."""
     run_dir = Path(args.runs_dir).resolve() / f"{name}-seed{seed}"
     command = [sys.executable, "train.py", *shlex.split(WORKLOAD), *shlex.split(stages),
                *args.extra, f"train.seed={seed}", f"hydra.run.dir={run_dir}",
@@ -104,7 +111,7 @@ def run(name: str, stages: str, seed: int, args: argparse.Namespace) -> dict[str
     else:
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut off before it finished: again
         print("[quality]", shlex.join(command), flush=True)
-        launch(command, run_dir, shared=args.jobs > 1)
+        launch(command, run_dir, shared=args.jobs > 1, gpu=gpu)
         done.write_text(json.dumps({"command": what}))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -116,16 +123,19 @@ def run(name: str, stages: str, seed: int, args: argparse.Namespace) -> dict[str
     }
 
 
-def launch(command: list[str], run_dir: Path, shared: bool) -> None:
-    """Runs train.py; beside other runs (`shared`), its output goes to the run's
+def launch(command: list[str], run_dir: Path, shared: bool, gpu: str | None = None) -> None:
+    """Runs train.py (on `gpu`); beside other runs (`shared`), its output goes to the run's
     `quality_stdout.log`, whose tail is shown if it fails."""
+    env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
     if not shared:
-        subprocess.run(command, cwd=ROOT, check=True)
+        subprocess.run(command, cwd=ROOT, check=True, env=env)
         return
     run_dir.mkdir(parents=True)
     log = run_dir / "quality_stdout.log"
     with log.open("w") as out:
-        code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env
+        ).returncode
     if code != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         print(f"[quality] {run_dir.name} failed (exit {code}); the end of {log}:\n{tail}",
@@ -133,20 +143,29 @@ def launch(command: list[str], run_dir: Path, shared: bool) -> None:
         raise subprocess.CalledProcessError(code, command)
 
 
-def run_interleaved(stages: dict[str, str], seeds: list[int], args: argparse.Namespace) -> dict:
+def run_interleaved(
+    stages: dict[str, str], seeds: list[int], args: argparse.Namespace, slots: list[str | None]
+) -> dict:
     """Every arm's runs, seed by seed: {arm: [run per seed]}; `args.jobs` of them at a time,
-    started in that order. Once one fails no other starts (those running end), and it raises."""
+    started in that order, each taking a GPU of `slots` (gpu_slots) while it runs. Once one
+    fails no other starts (those running end), and it raises."""
     order = [(name, arm_stages, seed) for seed in seeds for name, arm_stages in stages.items()]
     failed = threading.Event()
+    free: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+    for slot in slots:
+        free.put(slot)
 
     def job(name: str, arm_stages: str, seed: int) -> dict[str, Any]:
         if failed.is_set():  # after a failure, so later in the order: its result is never read
             raise CancelledError
+        gpu = free.get()  # one slot per job of the pool: one is free when a job starts
         try:
-            return run(name, arm_stages, seed, args)
+            return run(name, arm_stages, seed, args, gpu)
         except BaseException:
             failed.set()
             raise
+        finally:
+            free.put(gpu)
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = [pool.submit(job, *each) for each in order]
@@ -155,6 +174,14 @@ def run_interleaved(stages: dict[str, str], seeds: list[int], args: argparse.Nam
     for (name, _, _), result in zip(order, done, strict=True):
         runs[name].append(result)
     return runs
+
+
+def gpu_slots(jobs: int, gpus: list[str]) -> list[str | None]:
+    """The GPU each of `jobs` runs at a time takes: the visible ones in turn (two jobs on one
+    GPU when there are more jobs than GPUs); with one job or no GPU, None (every visible one)."""
+    if jobs == 1 or not gpus:
+        return [None] * jobs
+    return [gpus[i % len(gpus)] for i in range(jobs)]
 
 
 def final_loss(run: dict[str, Any]) -> float:
@@ -228,11 +255,13 @@ def render(result: dict[str, Any]) -> list[str]:
     seeds = [s for s in result["seeds"] if s is not None]
     title = result.get("title", TITLE)
     shared = result.get("jobs", 1) > 1  # runs beside each other: their speeds are not the arms'
+    gpus = result.get("gpus", 1)
+    where = "on one GPU" if gpus == 1 else f"over {gpus} GPUs"
     lines = [f"# Quality: {title}", "",
              f"Workload `{result['workload']}`; "
              + (f"seeds {', '.join(map(str, seeds))} per arm, interleaved" if seeds
                 else "one seed (train.seed's default) per arm")
-             + (f"; {result['jobs']} runs at a time on one GPU, so no speeds." if shared
+             + (f"; {result['jobs']} runs at a time {where}, so no speeds." if shared
                 else "."), ""]  # fmt: skip
     lines += [f"- {name}: `{stages}`" for name, stages in result["arms"].items() if stages]
     lines += ["", "| arm | final val/loss per seed | mean ± std | min – max | tokens/s |",
@@ -334,7 +363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--candidate", action="append", help="the stages judged (one per --out)")
     parser.add_argument("--title", action="append", help="the report's title (one per --out)")
     parser.add_argument("--seeds", type=int, default=3, help="runs per arm, train.seed 1337...")
-    parser.add_argument("--jobs", type=int, default=1, help="runs trained at a time (one GPU)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, over the visible GPUs")
     parser.add_argument("--tolerance", type=float, default=0.02, help="nats, final val loss")
     parser.add_argument("--alpha", type=float, default=0.05, help="the test's significance level")
     parser.add_argument("--runs-dir", default="outputs/quality")
@@ -373,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     judged = candidates(args)
     stages = {"reference": args.reference, **{arm: c for arm, (_, c, _) in judged.items()}}
     seeds = [FIRST_SEED + i for i in range(args.seeds)]
-    runs = run_interleaved(stages, seeds, args)
+    slots = gpu_slots(args.jobs, runner.visible_gpus())
+    runs = run_interleaved(stages, seeds, args, slots)
     env = environment(["python", "scripts/quality.py", *(sys.argv[1:] if argv is None else argv)])
     passed = True
     for arm, (out, candidate, title) in judged.items():
@@ -381,6 +411,7 @@ def main(argv: list[str] | None = None) -> None:
         result = {"title": title, "workload": WORKLOAD,
                   "arms": {"reference": args.reference, "candidate": candidate}, "seeds": seeds,
                   "tolerance": args.tolerance, "alpha": args.alpha, "jobs": args.jobs,
+                  "gpus": len(set(slots) - {None}) or 1,
                   "runs": pair,
                   **judge(pair, args.tolerance, args.alpha), "environment": env}  # fmt: skip
         out.with_suffix(".json").write_text(json.dumps(result, indent=2))

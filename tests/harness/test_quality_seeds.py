@@ -24,7 +24,7 @@ def _fake_runs(monkeypatch, finals: dict[str, list[float]]) -> list[tuple[str, i
     """quality.run replaced by one that returns `finals`, recording the order of the runs."""
     order: list[tuple[str, int]] = []
 
-    def fake(name, stages, seed, args):
+    def fake(name, stages, seed, args, gpu):
         i = seed - quality.FIRST_SEED
         order.append((name, i))
         final = finals[name][i]
@@ -185,7 +185,7 @@ def test_a_call_cut_off_goes_on_where_it_stopped(tmp_path, monkeypatch) -> None:
     a run cut off before its marker starts afresh; a finished run of another command is refused."""
     launched: list[str] = []
 
-    def fake_train(command, cwd, check):  # train.py run alone (--jobs 1): its output shown
+    def fake_train(command, cwd, check, env):  # train.py run alone (--jobs 1): its output shown
         run_dir = Path(next(w for w in command if w.startswith("hydra.run.dir=")).split("=", 1)[1])
         assert not run_dir.exists()  # a cut-off run's leftovers were cleared
         run_dir.mkdir(parents=True)
@@ -219,7 +219,8 @@ def test_jobs_train_several_runs_at_a_time_in_order_each_result_to_its_seed(
     running, most = [0], [0]
     lock = threading.Lock()
 
-    def fake(name, stages, seed, args):
+    def fake(name, stages, seed, args, gpu):
+        assert gpu is None  # no GPU here: every run sees what the process sees
         with lock:
             started.append((name, seed))
             running[0] += 1
@@ -244,12 +245,49 @@ def test_jobs_train_several_runs_at_a_time_in_order_each_result_to_its_seed(
     assert "| 1,000 |" not in md
 
 
+def test_jobs_spread_over_the_gpus_each_run_alone_on_its_own(tmp_path, monkeypatch) -> None:
+    """--jobs 2 on a host of 2 GPUs: the two runs at a time train on different GPUs (train.py
+    started with CUDA_VISIBLE_DEVICES naming one), and the report says where they ran."""
+    import threading
+    import time
+
+    running: dict[str, int] = {}
+    shared_a_gpu = []
+    lock = threading.Lock()
+
+    def fake_train(command, cwd, stdout, stderr, env):
+        gpu = env["CUDA_VISIBLE_DEVICES"]
+        with lock:
+            running[gpu] = running.get(gpu, 0) + 1
+            shared_a_gpu.append(running[gpu] > 1)
+        time.sleep(0.05)
+        with lock:
+            running[gpu] -= 1
+        run_dir = Path(next(w for w in command if w.startswith("hydra.run.dir=")).split("=", 1)[1])
+        seed = int(next(w for w in command if w.startswith("train.seed=")).split("=", 1)[1])
+        (run_dir / "metrics.jsonl").write_text(
+            json.dumps({"step": 4, "val/loss": 5.0 + (seed - quality.FIRST_SEED) / 100}) + "\n"
+        )
+        (run_dir / "summary.json").write_text('{"perf/tokens_per_sec": 1.0}')
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(quality.subprocess, "run", fake_train)
+    monkeypatch.setattr(quality.runner, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(quality, "environment", lambda command: {"command": " ".join(command)})
+    result, _ = _main(tmp_path, "--seeds", "3", "--jobs", "2", "--runs-dir", str(tmp_path / "r"))
+    assert len(shared_a_gpu) == 6 and not any(shared_a_gpu)
+    assert result["gpus"] == 2
+    assert "2 runs at a time over 2 GPUs, so no speeds." in (tmp_path / "q.md").read_text()
+    assert quality.gpu_slots(3, ["0", "1"]) == ["0", "1", "0"]  # more jobs than GPUs: they share
+    assert quality.gpu_slots(1, ["0", "1"]) == [None] and quality.gpu_slots(2, []) == [None, None]
+
+
 def test_a_shared_run_that_fails_shows_its_log_and_starts_no_other(tmp_path, monkeypatch, capsys):
     """Beside others, train.py's output goes to the run's quality_stdout.log; a failure prints
     its end and raises, and the runs not yet started are cancelled."""
     launched: list[str] = []
 
-    def fake_train(command, cwd, stdout, stderr):
+    def fake_train(command, cwd, stdout, stderr, env):
         run_dir = Path(next(w for w in command if w.startswith("hydra.run.dir=")).split("=", 1)[1])
         launched.append(run_dir.name)
         stdout.write("loading\nTraceback: CUDA out of memory\n")
@@ -261,7 +299,7 @@ def test_a_shared_run_that_fails_shows_its_log_and_starts_no_other(tmp_path, mon
                                "--jobs", "2"])  # fmt: skip
     with pytest.raises(subprocess.CalledProcessError):
         quality.run_interleaved(
-            {"reference": "+opt=[amp]", "candidate": "+x"}, [1337, 1338, 1339], args
+            {"reference": "+opt=[amp]", "candidate": "+x"}, [1337, 1338, 1339], args, [None, None]
         )
     assert "CUDA out of memory" in capsys.readouterr().err
     assert "CUDA out of memory" in (tmp_path / launched[0] / "quality_stdout.log").read_text()
