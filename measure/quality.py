@@ -15,12 +15,13 @@ in order) share one reference: its runs are made once, interleaved with every ca
 report against them, so judging N changes costs N + 1 arms instead of 2N.
 
 `--jobs N` trains N runs at a time, in the same interleaved order (each run's output in its
-folder's `quality_stdout.log`), spread over the visible GPUs (run k of those running on GPU
-k mod G). A 300-step run of GPT-2 124M keeps an H100 busy for only part of its ~45 s (start-up
-and compilation are the rest, on the host): 4 at a time judged 21 runs in 431 s on an H100,
-half of their time one by one. On a host of 2 GPUs, `--jobs 2` trains two of GPT-2 XL's runs
-at once, one on each. The losses do not depend on it (the math is the same); the speeds do
-(runs beside each other share the host, or a GPU), so a report of shared runs shows none.
+folder's `quality_stdout.log`), spread over the visible GPUs (each run takes a free slot of
+`gpu_slots`: the GPUs in turn, so N jobs on G GPUs put at most ceil(N / G) on one). A 300-step
+run of GPT-2 124M keeps an H100 busy for only part of its ~45 s (start-up and compilation are
+the rest, on the host): 4 at a time judged 21 runs in 431 s on an H100, half of their time one
+by one. On a host of 2 GPUs, `--jobs 2` trains two of GPT-2 XL's runs at once, one on each. The
+losses do not depend on it (the math is the same); the speeds do (runs beside each other share
+the host, or a GPU), so a report of shared runs shows none.
 
 Writes <out>.json (every run's curve and command, each arm's mean, std and range, the test),
 <out>.md and <out>.png: every seed's curve, named by its arm's configuration, and below them the
