@@ -284,23 +284,50 @@ RUN_4_STEPS = (
 def launch_agents(*commands: list[str], timeout: float = 300) -> str:
     """Runs the commands side by side (one per torchrun agent) from the checkout; returns their
     output (each must succeed). A worker that dies of a signal (a crash in native code) prints
-    every thread's Python stack first (faulthandler), so that the failure says where."""
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    every thread's Python stack first (faulthandler), so that the failure says where; so does
+    every process still running at the timeout (a hang). Inductor compiles in each worker's own
+    process: its pool of compile processes can hang a distributed run's exit (as PyTorch's
+    own distributed Inductor tests note), and these graphs are tiny."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     with tempfile.TemporaryDirectory() as logs:
         agents = []
         for i, command in enumerate(commands):
             with open(Path(logs) / f"{i}.log", "w") as log:
                 agents.append(subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log, env=env))
-        deadline = time.time() + timeout
+        deadline, hung = time.time() + timeout, False
         try:
             for agent in agents:
                 agent.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            hung = True
+            dump_stacks(agents)
         finally:
             for agent in agents:
                 stop_agent(agent)
         output = "".join((Path(logs) / f"{i}.log").read_text() for i in range(len(agents)))
+    assert not hung, f"still running after {timeout:.0f} s; the stacks:\n{output[-20000:]}"
     assert all(agent.returncode == 0 for agent in agents), output[-6000:]
     return output
+
+
+def dump_stacks(agents: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """Makes the agents' workers (and whatever they started) print every thread's Python stack:
+    SIGABRT, which faulthandler catches, then waits up to `grace` seconds for them to end."""
+    workers = [pid for agent in agents for pid in descendants(agent.pid)]
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+    deadline = time.time() + grace
+    while time.time() < deadline and any(map(still_running, workers)):
+        time.sleep(0.2)
+
+
+def still_running(pid: int) -> bool:
+    """Whether process `pid` still runs (an exited one nobody has reaped yet does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def stop_agent(agent: subprocess.Popen) -> None:

@@ -35,6 +35,7 @@ from helpers import (
     launch_agents,
     logged,
     make_cfg,
+    still_running,
     stop_agent,
     tiny_cfg,
     torchrun_output,
@@ -295,9 +296,9 @@ def test_a_killed_torchrun_agent_takes_its_trainer_with_it(tmp_path) -> None:
         os.kill(agent.pid, signal.SIGKILL)
         agent.wait()
         deadline = time.time() + 10
-        while any(map(_running, workers)) and time.time() < deadline:
+        while any(map(still_running, workers)) and time.time() < deadline:
             time.sleep(0.1)
-        running = [pid for pid in workers if _running(pid)]
+        running = [pid for pid in workers if still_running(pid)]
     finally:
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
@@ -311,6 +312,23 @@ def test_a_killed_torchrun_agent_takes_its_trainer_with_it(tmp_path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     step = torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"]
     assert summary["stopped_by"] == "SIGTERM" and summary["step"] == step >= 2
+
+
+@pytest.mark.distributed
+def test_a_hung_launch_fails_with_every_process_stack() -> None:
+    """A launch still running at its timeout (a deadlock) fails with where each of its
+    processes waits, the processes they started too, and leaves none running."""
+    hang = "import time\ndef waiting_in_the_worker():\n    time.sleep(600)\nwaiting_in_the_worker()"
+    agent = [
+        sys.executable,
+        "-c",
+        f"import subprocess, sys; subprocess.run([sys.executable, '-c', {hang!r}])",
+    ]
+    before = time.time()
+    with pytest.raises(AssertionError, match="still running after 2 s") as failure:
+        launch_agents(agent, timeout=2)
+    assert "waiting_in_the_worker" in str(failure.value)
+    assert time.time() - before < 30
 
 
 def test_a_worker_whose_agent_died_before_it_asked_stops_at_once(monkeypatch) -> None:
@@ -344,14 +362,6 @@ def test_the_agents_death_is_told_when_the_adoption_comes_after_the_signal(monke
     assert distributed.launcher_died(wait_s=5.0)
     monkeypatch.setattr(distributed.os, "getppid", lambda: 4242)
     assert not distributed.launcher_died(wait_s=0.05)
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` still runs (an exited one nobody has reaped yet does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _logged_losses(run_dir: Path) -> list:
