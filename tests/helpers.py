@@ -322,12 +322,17 @@ def dump_stacks(agents: list[subprocess.Popen], grace: float = 10.0) -> None:
         time.sleep(0.2)
 
 
+def process_state(pid: int) -> str:
+    """A process's state letter from /proc (Z: a zombie, exited and not yet reaped), or 'gone'."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
 def still_running(pid: int) -> bool:
     """Whether process `pid` still runs (an exited one nobody has reaped yet does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in ("Z", "gone")
 
 
 def stop_agent(agent: subprocess.Popen) -> None:

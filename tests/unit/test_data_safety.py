@@ -30,7 +30,7 @@ from base.signals import sigterm_raises
 from data.prepare import cache_folder, prepare, read_meta, remove_stale_tmp_folders, verify
 from data.windows import TokenWindows
 from data.workers import PARENT_CHECK_S, WorkerInit, hardened_forks
-from helpers import ROOT, make_cfg, python
+from helpers import ROOT, make_cfg, process_state, python, still_running
 
 preparation = importlib.import_module("data.prepare")  # `data.prepare` is the function
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, PR_SET_PDEATHSIG")
@@ -303,14 +303,6 @@ def test_stale_folders_of_dead_preparations_are_removed(tmp_path) -> None:
 # ---- 6. workers: deaf to the group's stop signals, dead with their parent
 
 
-def _state(pid: int) -> str:
-    """A process's state letter from /proc (Z: a zombie, dead), or 'gone'."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-
-
 def _children(pid: int) -> list[int]:
     """The live processes whose parent is `pid`, found in /proc."""
     children = []
@@ -345,7 +337,7 @@ def _wait(condition: Callable[[], object], timeout: float) -> object:
 
 
 def _dead(pids: list[int]) -> bool:
-    return all(_state(pid) in ("Z", "gone") for pid in pids)
+    return not any(map(still_running, pids))
 
 
 def _kill(pids: list[int]) -> None:
@@ -371,7 +363,7 @@ def test_loader_workers_survive_the_groups_stop_signals_and_die_with_their_paren
         assert line == "batches 20", probe.stderr.read() if probe.poll() is not None else line
         probe.kill()  # the trainer dies outright: its workers follow
         probe.wait()
-        assert _wait(lambda: _dead(workers), timeout=2), {w: _state(w) for w in workers}
+        assert _wait(lambda: _dead(workers), timeout=2), {w: process_state(w) for w in workers}
     finally:
         probe.kill()
         probe.wait()
@@ -505,10 +497,10 @@ def test_a_worker_forked_by_another_thread_outlives_it_and_dies_with_its_parent(
         assert parent.stdout is not None
         worker = int(parent.stdout.readline())
         time.sleep(0.5)  # the forking thread ended before the pid was printed
-        assert not _dead([worker]), _state(worker)
+        assert not _dead([worker]), process_state(worker)
         parent.kill()
         parent.wait()
-        assert _wait(lambda: _dead([worker]), timeout=3 * PARENT_CHECK_S), _state(worker)
+        assert _wait(lambda: _dead([worker]), timeout=3 * PARENT_CHECK_S), process_state(worker)
     finally:
         parent.kill()
 
@@ -620,7 +612,7 @@ def test_killing_a_preparation_leaves_no_process_behind(tmp_path) -> None:
         assert proc.poll() is None and len(workers) >= 2, (tmp_path / "log").read_text()
         proc.kill()
         proc.wait()
-        assert _wait(lambda: _dead(workers), timeout=2), {w: _state(w) for w in workers}
+        assert _wait(lambda: _dead(workers), timeout=2), {w: process_state(w) for w in workers}
         # Its folder outlives it, until the next preparation on this machine removes it.
         (stale,) = _leftovers(tmp_path / "cache")
         assert f".tmp-{preparation._HOST}-{proc.pid}-" in stale
@@ -637,7 +629,7 @@ def test_a_preparation_stopped_by_sigterm_cleans_up(tmp_path) -> None:
         assert proc.poll() is None and len(workers) >= 2, log.read_text()
         os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as a scheduler does
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM, log.read_text()
-        assert _wait(lambda: _dead(workers), timeout=2), {w: _state(w) for w in workers}
+        assert _wait(lambda: _dead(workers), timeout=2), {w: process_state(w) for w in workers}
         assert list((tmp_path / "cache").iterdir()) == []
     finally:
         proc.kill()
