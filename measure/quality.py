@@ -14,8 +14,8 @@ in order) share one reference: its runs are made once, interleaved with every ca
 (reference seed 0, A seed 0, B seed 0, reference seed 1, ...), and each candidate gets its own
 report against them, so judging N changes costs N + 1 arms instead of 2N.
 
-`--jobs N` trains N runs at a time, in the same interleaved order (each run's output in its
-folder's `quality_stdout.log`), spread over the visible GPUs (each run takes a free slot of
+`--jobs N` trains N runs at a time, in the same interleaved order (each run's output in
+`<run folder>.log` beside its folder), spread over the visible GPUs (each run takes a free slot of
 `gpu_slots`: the GPUs in turn, so N jobs on G GPUs put at most ceil(N / G) on one). A 300-step
 run of GPT-2 124M keeps an H100 busy for only part of its ~45 s (start-up and compilation are
 the rest, on the host): 4 at a time judged 21 runs in 431 s on an H100, half of their time one
@@ -31,8 +31,10 @@ no difference and the mean difference is within the tolerance; "different: Δ=..
 when it finds one (p < alpha), or "better: ..." when it finds the candidate's loss lower by more
 than the tolerance; else "inconclusive" (more seeds would tell). The test is Welch's t
 (scipy) or, without scipy, a seeded bootstrap of the difference of means; both give a 95%
-interval of the difference. Exits 0 when the candidate passes: "same", "better", or a difference
-within the tolerance (also with one seed, untested).
+interval of the difference. A "same" whose interval reaches past the tolerance says so under
+the verdict: no difference was found, but the seeds cannot bound one. Exits 0 when the
+candidate passes: "same", "better", or a difference within the tolerance (also with one seed,
+untested).
 """
 
 from __future__ import annotations
@@ -125,14 +127,15 @@ def run(
 
 
 def launch(command: list[str], run_dir: Path, shared: bool, gpu: str | None = None) -> None:
-    """Runs train.py (on `gpu`); beside other runs (`shared`), its output goes to the run's
-    `quality_stdout.log`, whose tail is shown if it fails."""
+    """Runs train.py (on `gpu`); beside other runs (`shared`), its output goes to
+    `<run_dir>.log` beside the run's folder (the trainer refuses a folder holding files that are
+    not a run's), whose tail is shown if it fails."""
     env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
     if not shared:
         subprocess.run(command, cwd=ROOT, check=True, env=env)
         return
-    run_dir.mkdir(parents=True)
-    log = run_dir / "quality_stdout.log"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = run_log(run_dir)
     with log.open("w") as out:
         code = subprocess.run(
             command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env
@@ -142,6 +145,11 @@ def launch(command: list[str], run_dir: Path, shared: bool, gpu: str | None = No
         print(f"[quality] {run_dir.name} failed (exit {code}); the end of {log}:\n{tail}",
               file=sys.stderr, flush=True)  # fmt: skip
         raise subprocess.CalledProcessError(code, command)
+
+
+def run_log(run_dir: Path) -> Path:
+    """Where a run trained beside others writes its output: `<run_dir>.log`."""
+    return run_dir.with_name(f"{run_dir.name}.log")
 
 
 def run_interleaved(
@@ -282,11 +290,33 @@ def render(result: dict[str, Any]) -> list[str]:
               + f", {test}; tolerance {tol} nats"
               + (f", α = {result['alpha']}" if result.get("alpha") else "") + ".", "",
               f"**{result['verdict']}**", ""]  # fmt: skip
+    lines += _unbounded(result)
     lines += _curves(runs)
     lines += ["", "Commands:", "", *[f"- `{r['command']}`" for rs in runs.values() for r in rs]]
     env = result.get("environment", {})
     lines += ["", "Environment:", "", *[f"- {key}: `{value}`" for key, value in env.items()]]
     return lines
+
+
+def unbounded(result: dict[str, Any]) -> float | None:
+    """For a "same" verdict whose 95% interval reaches past the tolerance, the largest difference
+    the interval allows (the test found none, but these seeds cannot rule out one larger than
+    the tolerance); else None."""
+    interval = result["difference"].get("interval")
+    if result["status"] != "same" or not interval:
+        return None
+    largest = max(map(abs, interval))
+    return largest if largest > result["tolerance"] else None
+
+
+def _unbounded(result: dict[str, Any]) -> list[str]:
+    """The line under a verdict that its interval leaves open (`unbounded`)."""
+    largest = unbounded(result)
+    if largest is None:
+        return []
+    return [f"The 95% interval reaches past ±{result['tolerance']} nats: "
+            f"{len(result['seeds'])} seeds per arm cannot rule out a difference of up to "
+            f"{largest:.4f} nats; more seeds would bound it.", ""]  # fmt: skip
 
 
 def _curves(runs: dict[str, list[dict]]) -> list[str]:
@@ -409,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     passed = True
     for arm, (out, candidate, title) in judged.items():
         pair = {"reference": runs["reference"], "candidate": runs[arm]}
-        result = {"title": title, "workload": WORKLOAD,
+        result = {"title": title, "workload": shlex.join([*shlex.split(WORKLOAD), *args.extra]),
                   "arms": {"reference": args.reference, "candidate": candidate}, "seeds": seeds,
                   "tolerance": args.tolerance, "alpha": args.alpha, "jobs": args.jobs,
                   "gpus": len(set(slots) - {None}) or 1,

@@ -37,6 +37,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from measure import ladder_table, ladders, save_stall, stats, vs_nanogpt
+from measure import quality as quality_report
 
 ROOT = Path(__file__).resolve().parents[1]
 OPT_CONF = ROOT / "conf" / "opt"  # each stage's knobs and their defaults
@@ -323,7 +324,9 @@ def quality(result: dict) -> str:
     said = f"same within {result['tolerance']} nats" if status == "same" else status
     tested = f", p={diff['p']:.2g}" if diff.get("p") is not None else ""
     n = len(seeds) or 1  # a one-seed report of before lists its seed as None
-    return f"{diff['delta']:+.3f} nats ({said}{tested}; {n} seed{'s' * (n > 1)} per arm)"
+    largest = quality_report.unbounded(result)
+    open_ = "" if largest is None else f"; the 95% interval reaches ±{largest:.3f}"
+    return f"{diff['delta']:+.3f} nats ({said}{tested}; {n} seed{'s' * (n > 1)} per arm{open_})"
 
 
 def checkpoint_save(result: dict) -> str:

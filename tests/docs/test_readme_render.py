@@ -179,6 +179,15 @@ def test_quality_and_checkpoint_save_sentences_come_from_their_reports(tmp_path)
     assert render_readme.quality(report) == "-0.025 nats (better, p=0.012; 3 seeds per arm)"
     same = {**report, "status": "same", "difference": {"delta": 0.0064, "p": 0.479}}
     assert render_readme.quality(same).startswith("+0.006 nats (same within 0.02 nats, p=0.48")
+    narrow = {**same, "difference": {"delta": 0.0064, "p": 0.479, "interval": [-0.01, 0.019]}}
+    assert render_readme.quality(narrow) == (
+        "+0.006 nats (same within 0.02 nats, p=0.48; 3 seeds per arm)"
+    )
+    wide = {**same, "difference": {"delta": 0.0064, "p": 0.479, "interval": [-0.0185, 0.0312]}}
+    assert render_readme.quality(wide) == (
+        "+0.006 nats (same within 0.02 nats, p=0.48; 3 seeds per arm; the 95% interval reaches "
+        "±0.031)"
+    )
     one = {**report, "status": "one seed", "seeds": [None], "difference": {"delta": 0.009}}
     assert render_readme.quality(one) == "+0.009 nats (one seed; 1 seed per arm)"
     saves = {"runs": {"sync": {"held_s": {"20": 59.34, "30": 73.7}},

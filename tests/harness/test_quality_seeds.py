@@ -14,6 +14,7 @@ import pytest
 
 from helpers import ROOT, python
 from measure import quality, stats
+from recipe.rundir import RunFolder
 
 REFERENCE = [5.081, 5.090, 5.074, 5.086]
 SHIFTED = [5.121, 5.133, 5.117, 5.128]  # about 0.04 nats worse
@@ -35,6 +36,14 @@ def _fake_runs(monkeypatch, finals: dict[str, list[float]]) -> list[tuple[str, i
     monkeypatch.setattr(quality, "run", fake)
     monkeypatch.setattr(quality, "environment", lambda command: {"command": " ".join(command)})
     return order
+
+
+def _take_run_folder(command: list[str]) -> Path:
+    """What train.py does first with its hydra.run.dir: takes it, refusing one that holds files
+    that are not a run's."""
+    run_dir = Path(next(w for w in command if w.startswith("hydra.run.dir=")).split("=", 1)[1])
+    RunFolder(run_dir, resume=False)
+    return run_dir
 
 
 def _main(tmp_path, *argv: str) -> tuple[dict, object]:
@@ -117,7 +126,28 @@ def test_the_report_shows_spread_interval_and_verdict(tmp_path, monkeypatch) -> 
     md = (tmp_path / "q.md").read_text()
     assert "| reference | 5.0810, 5.0900, 5.0740, 5.0860 | 5.0827 ± 0.0069 |" in md
     assert "95% interval [" in md and f"**{result['verdict']}**" in md
+    assert "reaches past" not in md  # its interval is within the tolerance
     assert (tmp_path / "q.png").exists()
+
+
+def test_a_same_verdict_whose_interval_reaches_past_the_tolerance_says_so(
+    tmp_path, monkeypatch
+) -> None:
+    """Close means but spread seeds: no difference found, yet the seeds cannot bound one."""
+    _fake_runs(monkeypatch, {"reference": REFERENCE, "candidate": [5.04, 5.13, 5.06, 5.11]})
+    result, code = _main(tmp_path, "--seeds", "4")
+    low, high = result["difference"]["interval"]
+    assert result["status"] == "same" and code == 0 and max(-low, high) > 0.02
+    md = (tmp_path / "q.md").read_text()
+    assert (f"The 95% interval reaches past ±0.02 nats: 4 seeds per arm cannot rule out a "
+            f"difference of up to {max(-low, high):.4f} nats") in md  # fmt: skip
+
+
+def test_the_workload_names_the_overrides_every_run_got(tmp_path, monkeypatch) -> None:
+    _fake_runs(monkeypatch, {"reference": REFERENCE, "candidate": CLOSE})
+    result, _ = _main(tmp_path, "--seeds", "2", "model=gpt2-xl", "train.lr=2.0e-4")
+    assert result["workload"] == quality.WORKLOAD + " model=gpt2-xl train.lr=2.0e-4"
+    assert f"Workload `{result['workload']}`" in (tmp_path / "q.md").read_text()
 
 
 def test_a_one_seed_report_of_before_still_renders(tmp_path) -> None:
@@ -263,7 +293,7 @@ def test_jobs_spread_over_the_gpus_each_run_alone_on_its_own(tmp_path, monkeypat
         time.sleep(0.05)
         with lock:
             running[gpu] -= 1
-        run_dir = Path(next(w for w in command if w.startswith("hydra.run.dir=")).split("=", 1)[1])
+        run_dir = _take_run_folder(command)
         seed = int(next(w for w in command if w.startswith("train.seed=")).split("=", 1)[1])
         (run_dir / "metrics.jsonl").write_text(
             json.dumps({"step": 4, "val/loss": 5.0 + (seed - quality.FIRST_SEED) / 100}) + "\n"
@@ -283,12 +313,13 @@ def test_jobs_spread_over_the_gpus_each_run_alone_on_its_own(tmp_path, monkeypat
 
 
 def test_a_shared_run_that_fails_shows_its_log_and_starts_no_other(tmp_path, monkeypatch, capsys):
-    """Beside others, train.py's output goes to the run's quality_stdout.log; a failure prints
-    its end and raises, and the runs not yet started are cancelled."""
+    """Beside others, train.py's output goes to `<run folder>.log` beside the run's folder (the
+    trainer takes only a folder that holds nothing else); a failure prints its end and raises,
+    and the runs not yet started are cancelled."""
     launched: list[str] = []
 
     def fake_train(command, cwd, stdout, stderr, env):
-        run_dir = Path(next(w for w in command if w.startswith("hydra.run.dir=")).split("=", 1)[1])
+        run_dir = _take_run_folder(command)
         launched.append(run_dir.name)
         stdout.write("loading\nTraceback: CUDA out of memory\n")
         stdout.flush()
@@ -302,7 +333,7 @@ def test_a_shared_run_that_fails_shows_its_log_and_starts_no_other(tmp_path, mon
             {"reference": "+opt=[amp]", "candidate": "+x"}, [1337, 1338, 1339], args, [None, None]
         )
     assert "CUDA out of memory" in capsys.readouterr().err
-    assert "CUDA out of memory" in (tmp_path / launched[0] / "quality_stdout.log").read_text()
+    assert "CUDA out of memory" in (tmp_path / f"{launched[0]}.log").read_text()
     assert len(launched) <= 2  # those started before the failure: no other
 
 
