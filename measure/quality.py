@@ -135,7 +135,7 @@ def launch(command: list[str], run_dir: Path, shared: bool, gpu: str | None = No
         subprocess.run(command, cwd=ROOT, check=True, env=env)
         return
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    log = run_log(run_dir)
+    log = run_dir.with_name(f"{run_dir.name}.log")
     with log.open("w") as out:
         code = subprocess.run(
             command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env
@@ -145,11 +145,6 @@ def launch(command: list[str], run_dir: Path, shared: bool, gpu: str | None = No
         print(f"[quality] {run_dir.name} failed (exit {code}); the end of {log}:\n{tail}",
               file=sys.stderr, flush=True)  # fmt: skip
         raise subprocess.CalledProcessError(code, command)
-
-
-def run_log(run_dir: Path) -> Path:
-    """Where a run trained beside others writes its output: `<run_dir>.log`."""
-    return run_dir.with_name(f"{run_dir.name}.log")
 
 
 def run_interleaved(
