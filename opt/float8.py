@@ -10,7 +10,9 @@ Which layers convert (`converts`): never the head, which GPT-2 ties to the token
 model multiplies by that weight itself, and the logits are where float8's rounding costs the
 most); never a layer whose dimensions are not multiples of 16 (float8 matmuls need them); with
 `skip_small`, not a layer whose matmul is too small for float8 to pay for its casts, by torchao's
-thresholds for the recipe, measured on an H100 (docs/stages.md lists what converts at each size).
+thresholds for the recipe, measured on an H100 (docs/stages.md lists what converts at each size);
+not a layer named in `skip_layers` (a part of its name: `attn.c_proj` is every block's attention
+projection), for the user who measures a layer's casts to cost more than its matmul gains.
 
 The casts and scales are elementwise work that only compile fuses into the neighbouring kernels:
 float8 without +opt=compile runs, but slower than bfloat16 (a line says so). Under +opt=fsdp,
@@ -23,6 +25,7 @@ ac, compile, pp and the data-parallel wrappers all see the converted modules.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -50,6 +53,7 @@ PRECISION_CASTS = inductor_config.emulate_precision_casts
 class Knobs:
     recipe: Recipe
     skip_small: bool  # leave out the layers torchao measured too small for float8 to pay
+    skip_layers: list[str]  # leave out the layers whose names contain one of these
     fsdp_all_gather: bool  # +opt=fsdp gathers float8 weights (tensorwise only)
     emulate: bool  # float8 casts, matmuls in float32: any device, eager only (for tests)
 
@@ -69,6 +73,12 @@ def torchao_float8() -> Any:
 def check_float8(knobs: Any) -> None:
     """Refuses knobs that cannot work together, or without torchao, before any work starts."""
     torchao_float8()
+    parts = knobs.skip_layers
+    if isinstance(parts, str) or not all(isinstance(p, str) and p for p in parts):
+        raise ConfigError(
+            f"opt.float8.skip_layers must be a list of parts of layer names, e.g. "
+            f"'opt.float8.skip_layers=[attn.c_proj]', got {parts!r}"
+        )
     if knobs.fsdp_all_gather and knobs.recipe != "tensorwise":
         raise ConfigError(
             f"opt.float8.fsdp_all_gather=true needs opt.float8.recipe=tensorwise, not "
@@ -119,9 +129,13 @@ def float8_config(knobs: Any) -> Any:
     )
 
 
-def converts(module: nn.Module, fqn: str, recipe: str, skip_small: bool) -> bool:
+def converts(
+    module: nn.Module, fqn: str, recipe: str, skip_small: bool, skip_layers: Sequence[str] = ()
+) -> bool:
     """The filter rule: whether the Linear at `fqn` trains in float8 (module docstring)."""
     if not isinstance(module, nn.Linear) or fqn == HEAD:
+        return False
+    if any(part in fqn for part in skip_layers):
         return False
     out_features, in_features = module.weight.shape
     if out_features % 16 or in_features % 16:
@@ -134,10 +148,17 @@ def converts(module: nn.Module, fqn: str, recipe: str, skip_small: bool) -> bool
 def convert_to_float8(model: nn.Module, knobs: Any) -> list[str]:
     """Converts `model`'s Linear layers that pass the rule, in place; returns their names."""
     ao = torchao_float8()
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for part in knobs.skip_layers:
+        if not any(part in name for name in linears):
+            raise ConfigError(
+                f"opt.float8.skip_layers: {part!r} is in no Linear layer's name of this model "
+                f"(they are like {linears[0]}): correct it, or drop it"
+            )
     chosen = [
         name
         for name, module in model.named_modules()
-        if converts(module, name, knobs.recipe, knobs.skip_small)
+        if converts(module, name, knobs.recipe, knobs.skip_small, knobs.skip_layers)
     ]
     ao.convert_to_float8_training(
         model,
@@ -182,7 +203,9 @@ def _apply(ctx: Context) -> None:
         width = model.config.n_embd
         raise ConfigError(
             f"+opt=float8 converts no layer of this model (width {width}): every Linear is "
-            f"below torchao's size threshold for the {knobs.recipe} recipe; set "
+            f"below torchao's size threshold for the {knobs.recipe} recipe"
+            + (" or in opt.float8.skip_layers" if knobs.skip_layers else "")
+            + "; set "
             "opt.float8.skip_small=false to convert them anyway, or drop the stage"
         )
     # Inductor's casts rounded as eager rounds them: otherwise the rowwise recipe's scales that
@@ -191,7 +214,9 @@ def _apply(ctx: Context) -> None:
     left = len(linears) - len(chosen)
     log(
         f"[opt] float8: {knobs.recipe} scaling, {len(chosen)} of {len(linears)} Linear layers "
-        f"({left} left in high precision: the head, small layers: docs/stages.md)"
+        f"({left} left in high precision: the head, small layers"
+        + (f", {', '.join(knobs.skip_layers)}" if knobs.skip_layers else "")
+        + ": docs/stages.md)"
         + (", weights gathered in float8 under FSDP" if knobs.fsdp_all_gather else "")
         + (", emulated (float32 matmuls)" if knobs.emulate else "")
     )

@@ -92,6 +92,17 @@ def test_without_skip_small_every_linear_but_the_head_converts_and_16_still_rule
     assert float8.converts(nn.Linear(32, 64), "x", "tensorwise", skip_small=False)
 
 
+def test_skip_layers_leaves_the_named_layers_in_high_precision_and_refuses_a_typo() -> None:
+    model = _gpt("gpt2-xl")
+    chosen = float8.convert_to_float8(model, _knobs(skip_layers=["attn.c_proj"]))
+    assert _converted(model) == {"attn.c_attn", "mlp.c_fc", "mlp.c_proj"}  # not mlp.c_proj's
+    assert len(chosen) == 48 * 3
+    assert type(model.transformer.h[47].attn.c_proj) is nn.Linear
+    with pytest.raises(ConfigError, match=r"skip_layers: 'atn.c_proj' is in no Linear") as typo:
+        float8.convert_to_float8(_gpt("gpt2-xl"), _knobs(skip_layers=["atn.c_proj"]))
+    assert "\n" not in str(typo.value)
+
+
 def test_a_model_with_nothing_to_convert_is_refused_in_one_line() -> None:
     """GPT-2 124M under rowwise: every Linear is below torchao's rowwise thresholds."""
     model = _gpt("gpt2")
@@ -109,6 +120,8 @@ def test_a_model_with_nothing_to_convert_is_refused_in_one_line() -> None:
     [
         (["opt.float8.recipe=blockwise"], r"opt\.float8\.recipe must be one of"),
         (["opt.float8.skip_small=maybe"], r"opt\.float8\.skip_small"),
+        (["opt.float8.skip_layers=attn.c_proj"], r"skip_layers must be a list .*\[attn\.c_proj\]"),
+        (["opt.float8.skip_layers=[1]"], r"skip_layers must be a list of parts of layer names"),
         (
             ["opt.float8.fsdp_all_gather=true", "opt.float8.recipe=rowwise", "+opt=fsdp"],
             r"fsdp_all_gather=true needs opt\.float8\.recipe=tensorwise, not rowwise",
