@@ -102,7 +102,9 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
         "|" + "---|" * len(columns),
     ]
     pairs = stats.comparisons(ladder, rows)
+    own = stats.compared_with(ladder)  # rows compared with a step of their own, not the baseline
     for row, previous, baseline in pairs:
+        against = f" vs `{own[row['name']]}`" if row["name"] in own and baseline else ""
         cells = [
             str(row["index"]),
             f"`{row['name']}`",
@@ -111,8 +113,8 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
             _tokens_cell(row),
             *([_fmt(row.get("efficiency"), ".3f")] if scaling else []),
             _ratio(row, previous, key) if ladder.cumulative else "–",
-            _ratio(row, baseline, key),
-            *([_ratio(row, baseline, "tokens_per_sec")] if speed_too else []),
+            _ratio(row, baseline, key) + against,
+            *([_ratio(row, baseline, "tokens_per_sec") + against] if speed_too else []),
             _percent(row.get("mfu"), ".1f"),
             *([_percent(row.get("gpu_busy"), ".0f")] if busy else []),
             _fmt(row.get("step_ms"), ".1f"),
@@ -129,6 +131,8 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
         if ladder.cumulative
         else versus_row
     )
+    if own:
+        compared += ", or with the step a cell names (`vs`: the step's own reference)"
     lines += ["", f"Gains compare with {compared}."]
     if scaling:
         lines += [

@@ -40,12 +40,19 @@ def strategy(stages: list[str], gpus: int) -> str:
 def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
     """What each step runs: its stages and overrides (after the workload's), accumulated when the
     ladder is cumulative, less the stages it drops (and their knobs), and its processes."""
-    base = list(ladder.get("opt", []))
+    common = list(ladder.get("opt", []))
     overrides: list[str]
-    plans, stages, overrides = [], base, []
+    plans, stages, overrides = [], common, []
+    names = [step.name for step in ladder.steps]
     for index, step in enumerate(ladder.steps):
+        vs = step.get("vs")
+        if vs is not None and vs not in names[:index]:
+            raise base.errors.ConfigError(
+                f"ladder {ladder.get('name')}: step {step.name} has vs={vs}, which is not a step "
+                f"above it ({names[:index]}): name the step its gains compare with"
+            )
         if not ladder.cumulative:
-            stages, overrides = base, []
+            stages, overrides = common, []
         stages = stages + [s for s in step.get("opt", []) if s not in stages]
         dropped = step.get("drop", [])
         stages = [s for s in stages if s not in dropped]
@@ -66,6 +73,7 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
                 "nnodes": nnodes,
                 "gpus": nproc * nnodes,
                 "strategy": strategy(stages, nproc * nnodes),
+                **({"vs": vs} if vs else {}),
                 **({"memory_cap_gib": cap} if cap else {}),
                 **({"env": env} if env else {}),
             }
@@ -75,8 +83,9 @@ def step_plans(ladder: DictConfig) -> list[dict[str, Any]]:
 
 def selection(cfg: DictConfig, plans: list[dict]) -> tuple[list[dict], dict | None]:
     """The steps this call measures (ladder order) and its anchor: `anchor=<step>`, else, when
-    the first of `steps=[...]` is not the ladder's first, the step its row is compared with, so
-    that its ratio comes from this call too; `anchor=none`: no anchor (the steps compare among
+    the first of `steps=[...]` is not the ladder's first, the step its row is compared with (its
+    `vs`, the one above it in a cumulative ladder, the baseline), so that its ratio comes from
+    this call too; `anchor=none`: no anchor (the steps compare among
     themselves, e.g. a multi-GPU row with the 1-GPU row of its size). Unknown or repeated names
     are refused up front."""
     ladder, names = cfg.ladder, [p["name"] for p in plans]
@@ -101,7 +110,10 @@ def selection(cfg: DictConfig, plans: list[dict]) -> tuple[list[dict], dict | No
             raise base.errors.ConfigError(f"anchor={cfg.anchor} is one of steps={wanted}; drop it")
         return chosen, plans[names.index(cfg.anchor)]
     first = chosen[0]["index"]
-    if ladder.cumulative:
+    candidate: dict | None
+    if chosen[0].get("vs"):
+        candidate = plans[names.index(chosen[0]["vs"])]
+    elif ladder.cumulative:
         candidate = plans[first - 1] if first > 0 else None
     else:
         reference = ladder.get("reference")

@@ -88,20 +88,31 @@ def comparisons(
     ladder: DictConfig, rows: list[dict]
 ) -> list[tuple[dict, dict | None, dict | None]]:
     """Each row with the ones it is compared with: the last row above it that ran, and the
-    baseline (the ladder's `reference` row, else step 0), None where there is none."""
+    baseline (the step the row's ladder step names as its `vs`, else the ladder's `reference`
+    row, else step 0), None where there is none."""
     ok = [r for r in rows if r["status"] == "ok"]
     reference = ladder.get("reference")
     if reference:
         baseline = next((r for r in ok if r["name"] == reference), None)
     else:
         baseline = ok[0] if ok and ok[0].get("index") == 0 else None
+    versus = compared_with(ladder)
     out: list[tuple[dict, dict | None, dict | None]] = []
     previous = None
     for row in rows:
-        out.append((row, previous, baseline))
+        vs = versus.get(row["name"])
+        own = next((r for r in ok if r["name"] == vs), None) if vs else baseline
+        out.append((row, previous, own))
         if row["status"] == "ok":
             previous = row
     return out
+
+
+def compared_with(ladder: DictConfig) -> dict[str, str]:
+    """The steps that name the step their gains compare with (`vs:`), instead of the baseline:
+    a lever measured on top of another step's settings (float8 with tuned kernels against
+    bfloat16 with the same tuning)."""
+    return {step.name: step.vs for step in ladder.get("steps", []) if step.get("vs")}
 
 
 def speed_ratio(row: dict, other: dict | None, anchors: dict[str, dict]) -> dict | None:

@@ -447,3 +447,35 @@ def test_a_malformed_report_is_refused_in_one_line(tmp_path, capsys, content, li
     (said,) = capsys.readouterr().err.strip().splitlines()
     assert re.match(rf"^\S+: error: {results}: {line}.*; give report= a <ladder>.json", said), said
     assert not results.with_suffix(".png").exists()
+
+
+def test_a_step_with_vs_compares_with_that_step_and_a_segment_from_it_anchors_there() -> None:
+    ladder = OmegaConf.create({"name": "levers", "focus": "speed", "cumulative": False, "steps": [
+        {"name": "plain"}, {"name": "tuned"}, {"name": "lever", "vs": "tuned"},
+    ]})  # fmt: skip
+    assert [p.get("vs") for p in ladders.step_plans(ladder)] == [None, None, "tuned"]
+    rows = [
+        {"index": i, "name": n, "what": "", "status": "ok", "command": "", "call": "c",
+         "tokens_per_sec_runs": runs, "tokens_per_sec": runs[0], "repeats": 2}
+        for i, (n, runs) in enumerate(
+            [("plain", [100.0, 100.0]), ("tuned", [110.0, 110.0]), ("lever", [121.0, 132.0])]
+        )
+    ]  # fmt: skip
+    done = stats.with_ratios(ladder, rows)
+    assert done[1]["ratio_vs"] == "plain" and done[1]["ratio"] == pytest.approx(1.1)
+    assert done[2]["ratio_vs"] == "tuned" and done[2]["ratio_interval"] == [1.1, 1.2]
+    table = ladder_table.markdown(ladder, done, {"device": "GPU"})
+    assert "| 1.150x (1.100–1.200) vs `tuned` |" in table
+    assert "| 1.100x (1.100–1.100) |" in table  # the tuned row: against the baseline, unmarked
+    cfg = ladders.config(["ladder=float8_xl", "steps=[tensorwise_cd]"])
+    _, anchor = ladders.selection(cfg, ladders.step_plans(cfg.ladder))
+    assert anchor is not None and anchor["name"] == "bf16_cd"  # not the baseline, bf16
+
+
+def test_a_vs_that_is_not_a_step_above_is_refused_in_one_line() -> None:
+    for vs in ("later", "nope", "self"):
+        ladder = OmegaConf.create({"name": "bad", "cumulative": False, "steps": [
+            {"name": "a"}, {"name": "self", "vs": vs}, {"name": "later"},
+        ]})  # fmt: skip
+        with pytest.raises(ConfigError, match=f"step self has vs={vs}, which is not a step above"):
+            ladders.step_plans(ladder)
