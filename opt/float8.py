@@ -145,10 +145,14 @@ def converts(
     return True
 
 
+def linear_names(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
 def convert_to_float8(model: nn.Module, knobs: Any) -> list[str]:
     """Converts `model`'s Linear layers that pass the rule, in place; returns their names."""
     ao = torchao_float8()
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = linear_names(model)
     for part in knobs.skip_layers:
         if not any(part in name for name in linears):
             raise ConfigError(
@@ -197,7 +201,7 @@ def _unwrapped(t: torch.Tensor) -> torch.Tensor:
 def _apply(ctx: Context) -> None:
     knobs, model = ctx.knobs, ctx.model
     check_device(ctx.dist.device, knobs.emulate)
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = linear_names(model)
     chosen = convert_to_float8(model, knobs)
     if not chosen:
         width = model.config.n_embd
