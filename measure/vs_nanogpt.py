@@ -9,7 +9,9 @@ tokens: `--real_data=False`) at each batch without biases (its fastest shape) an
 (GPT-2's shape), and this recipe's train.py at the same batches (always with GPT-2's biases) in
 two configurations of the speed ladder (conf/ablate/ladder/speed.yaml): `plain`, its memmap row
 (compile, bf16 autocast, TF32, fused AdamW: bench.py's math) and `fastest`, its residual_bf16 row
-(+ custom_op, same math, + a bfloat16 residual stream, which changes the math). bench.py's
+(+ custom_op, same math, + a bfloat16 residual stream, which changes the math); `--ours` also
+offers `custom_op` (plain + the fused head and loss) and `tuned` (that, with Inductor's kernels
+tuned by coordinate descent: same math, minutes more compilation). bench.py's
 tokens/s is its mean over 20 steps after 10 of burn-in; ours the same: 30 steps, the mean over
 steps 11-30 (metrics.jsonl).
 
@@ -46,9 +48,20 @@ from measure import runner, stats
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 1024  # tokens per sequence, both sides
 BENCH_MS = re.compile(r"^time per iteration: ([\d.]+)ms", re.MULTILINE)
-# Our configurations: a step of the speed ladder (its stages and overrides, accumulated).
-VARIANTS = {"plain": "memmap", "custom_op": "custom_op", "fastest": "residual_bf16"}
-STAGES_BEYOND_PLAIN = {"custom_op": "plain + custom_op", "fastest": "plain + custom_op"}
+# Our configurations: a step of the speed ladder (its stages and overrides, accumulated), then
+# overrides that change how fast, not what is computed (Inductor's kernels tuned by coordinate
+# descent: their launch shapes only).
+VARIANTS = {
+    "plain": ("memmap", []),
+    "custom_op": ("custom_op", []),
+    "tuned": ("custom_op", ["opt.compile.coordinate_descent=true"]),
+    "fastest": ("residual_bf16", []),
+}
+STAGES_BEYOND_PLAIN = {
+    "custom_op": "plain + custom_op",
+    "tuned": "plain + custom_op + coordinate descent",
+    "fastest": "plain + custom_op",
+}
 # Overrides that change what is computed, not how fast: named in every row they are in.
 OTHER_MATH = {
     "opt.amp.residual=compute": "bfloat16 residual stream",
@@ -135,8 +148,9 @@ def ours_configs(batches: list[int], variants: list[str]) -> list[dict[str, Any]
     configs = []
     for batch in batches:
         for variant in variants:
-            plan = plans[VARIANTS[variant]]
-            overrides = [*plan["overrides"], f"opt.bs.batch_size={batch}"]
+            step, tuning = VARIANTS[variant]
+            plan = plans[step]
+            overrides = [*plan["overrides"], *tuning, f"opt.bs.batch_size={batch}"]
             configs.append(
                 {
                     "name": f"ours b{batch} {variant}",

@@ -55,9 +55,15 @@ def test_our_tokens_per_sec_is_the_mean_after_burn_in_as_bench_py(tmp_path: Path
 def test_only_math_changing_overrides_mark_a_configuration() -> None:
     assert vs_nanogpt.other_math(["opt.bs.batch_size=64", "data.loader=memmap"]) is None
     assert vs_nanogpt.other_math(["opt.amp.residual=compute"]) == "bfloat16 residual stream"
-    plans = {c["name"]: c for c in vs_nanogpt.ours_configs([64], ["plain", "custom_op", "fastest"])}
+    variants = ["plain", "custom_op", "tuned", "fastest"]
+    plans = {c["name"]: c for c in vs_nanogpt.ours_configs([64], variants)}
     assert plans["ours b64 plain"]["math"] is None and plans["ours b64 custom_op"]["math"] is None
     assert plans["ours b64 fastest"]["math"] == "bfloat16 residual stream"
+    # Tuning the kernels' launch shapes keeps bench.py's math, on top of custom_op's stages.
+    tuned, custom_op = plans["ours b64 tuned"], plans["ours b64 custom_op"]
+    assert tuned["math"] is None and tuned["what"] == custom_op["what"]
+    assert "opt.compile.coordinate_descent=true" in tuned["argv"]
+    assert "opt.compile.coordinate_descent=true" not in custom_op["argv"]
     argv = plans["ours b64 custom_op"]["argv"]
     assert "+opt=[bs,workers,non_blocking,compile,amp,tf32,fused,custom_op]" in argv
     assert argv.index("opt.bs.batch_size=64") > argv.index("opt.bs.batch_size=32")  # last wins
