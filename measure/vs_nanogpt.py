@@ -303,7 +303,11 @@ def headline(result: dict) -> str:
     bench.py's fastest configuration measured in the same call, what differs stated."""
     configs = {c["name"]: c for c in result["configs"]}
     sentences = []
-    for key, lead in (("headline", "at its best"), ("headline_same_math", "with bench.py's math")):
+    leads = [("headline", "at its best"), ("headline_same_math", "with bench.py's math")]
+    best, same = result.get("headline"), result.get("headline_same_math")
+    if best and same and best["ours"] == same["ours"]:  # its math is named in its description
+        leads = leads[:1]
+    for key, lead in leads:
         h = result.get(key)
         if not h:
             sentences.append(f"Ours {lead}: not measured.")

@@ -104,6 +104,12 @@ def test_markdown_states_batch_biases_math_and_noise() -> None:
     assert "not equal work: biases on ours only; ours changes the math" in text
     assert "Ours with bench.py's math (batch 64, biases, plain, bench.py's math" in text
     assert "2 rounds, within noise)" in text
+    # When the fastest of ours keeps bench.py's math, one sentence says so.
+    only_same_math = fake_vs_nanogpt_result()
+    only_same_math["configs"] = [c for c in only_same_math["configs"] if c["math"] is None]
+    once = vs_nanogpt.headline(vs_nanogpt.summarize(only_same_math))
+    assert once.count("Ours ") == 1 and "Ours with bench.py's math" not in once
+    assert "Ours at its best (batch 64, biases, plain, bench.py's math: 494.0 K tokens/s)" in once
     table = vs_nanogpt.equal_work_table(result)
     assert "| 64 | yes | plain | same (equal work) | 1.049x (1.038–1.059, 2 rounds) |" in table
     assert "| 64 | yes | fastest | other: bfloat16 residual stream |" in table
