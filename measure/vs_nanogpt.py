@@ -299,16 +299,16 @@ def differences(ours: dict, nanogpt: dict) -> str:
 
 
 def headline(result: dict) -> str:
-    """The sentences the README shows: ours at its best, then with bench.py's math, each against
-    bench.py's fastest configuration measured in the same call, what differs stated."""
+    """The sentences the README shows: ours at its best, then with bench.py's math (unless that
+    is the same configuration, whose description names its math), each against bench.py's
+    fastest configuration measured in the same call, what differs stated."""
     configs = {c["name"]: c for c in result["configs"]}
     sentences = []
-    leads = [("headline", "at its best"), ("headline_same_math", "with bench.py's math")]
     best, same = result.get("headline"), result.get("headline_same_math")
-    if best and same and best["ours"] == same["ours"]:  # its math is named in its description
-        leads = leads[:1]
-    for key, lead in leads:
-        h = result.get(key)
+    leads = [("at its best", best)]
+    if not (best and same and best["ours"] == same["ours"]):
+        leads.append(("with bench.py's math", same))
+    for lead, h in leads:
         if not h:
             sentences.append(f"Ours {lead}: not measured.")
             continue
