@@ -359,6 +359,11 @@ def shutdown() -> None:
     if _PENDING_VOTE is not None:  # every rank started it: it completes
         _PENDING_VOTE[0].wait()
     if dist.is_initialized():
+        if torch.cuda.is_initialized():
+            # CUDA graphs that captured collectives (compile's reduce-overhead under tp, pp or
+            # DDP) hold their communicators: destroying the group under them never returns.
+            # Resetting compile frees the graphs.
+            torch.compiler.reset()
         dist.destroy_process_group()
     _CPU_GROUP, _PENDING_VOTE = None, None
 

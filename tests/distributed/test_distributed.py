@@ -364,6 +364,22 @@ def test_the_agents_death_is_told_when_the_adoption_comes_after_the_signal(monke
     assert not distributed.launcher_died(wait_s=0.05)
 
 
+def test_shutdown_frees_cuda_graphs_before_destroying_the_group(monkeypatch) -> None:
+    """Destroying the process group under CUDA graphs that captured its collectives never
+    returns: on a process that used CUDA, the graphs (compile's state) go first."""
+    calls: list[str] = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(distributed.torch.compiler, "reset", lambda: calls.append("reset"))
+    monkeypatch.setattr(distributed.torch.cuda, "is_initialized", lambda: True)
+    distributed.shutdown()
+    assert calls == ["reset", "destroy"]
+    calls.clear()
+    monkeypatch.setattr(distributed.torch.cuda, "is_initialized", lambda: False)
+    distributed.shutdown()  # a CPU run keeps what it compiled: no graph holds a communicator
+    assert calls == ["destroy"]
+
+
 def _logged_losses(run_dir: Path) -> list:
     path = run_dir / "metrics.jsonl"
     return logged(run_dir, "train/loss") if path.exists() else []
