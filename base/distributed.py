@@ -9,7 +9,9 @@ import datetime
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +27,10 @@ DEVICES = ("auto", "cpu", "cuda")
 # stops the others, so a long timeout never holds a failed job.
 HOST_TIMEOUT = datetime.timedelta(hours=24)
 PR_SET_PDEATHSIG = 1  # prctl's option (<linux/prctl.h>): a signal for when the parent dies
+# How long destroying the process group may take once a run is over. It can hang inside PyTorch
+# (NCCL communicators still held by something): the run's results are written by then, so the
+# process exits without it rather than holding its job until a scheduler's time limit.
+SHUTDOWN_TIMEOUT_S = 60.0
 
 
 def log(message: str) -> None:
@@ -364,8 +370,28 @@ def shutdown() -> None:
             # DDP) hold their communicators: destroying the group under them never returns.
             # Resetting compile frees the graphs.
             torch.compiler.reset()
-        dist.destroy_process_group()
+        _within(SHUTDOWN_TIMEOUT_S, dist.destroy_process_group)
     _CPU_GROUP, _PENDING_VOTE = None, None
+
+
+def _within(seconds: float, shut: Callable[[], object]) -> None:
+    """Calls `shut()`; if it has not returned after `seconds`, this process says so and exits
+    with status 0: `shutdown` comes after the run's results are written."""
+    returned = threading.Event()
+
+    def exit_if_stuck() -> None:
+        if not returned.wait(seconds):
+            rank = os.environ.get("RANK", "0")
+            print(
+                f"[train] rank {rank}: the process group did not shut down within {seconds:.0f} s; "
+                "exiting without it (the run's results are saved)",
+                flush=True,
+            )
+            os._exit(0)
+
+    threading.Thread(target=exit_if_stuck, name="shutdown-watchdog", daemon=True).start()
+    shut()
+    returned.set()
 
 
 def launcher() -> list[str]:

@@ -380,6 +380,33 @@ def test_shutdown_frees_cuda_graphs_before_destroying_the_group(monkeypatch) -> 
     assert calls == ["destroy"]
 
 
+def test_a_shutdown_that_hangs_exits_once_its_time_is_up(tmp_path) -> None:
+    """Destroying the process group can hang inside PyTorch after the run's results are written:
+    the process then says so and exits 0 once `SHUTDOWN_TIMEOUT_S` is up, instead of holding its
+    job for ever."""
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import time\n"
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "from base import distributed\n"
+        "cpu, store = torch.device('cpu'), dist.HashStore()\n"
+        "distributed.init_process_group(cpu, rank=0, world_size=1, store=store)\n"
+        "distributed.SHUTDOWN_TIMEOUT_S = 1.0\n"
+        "dist.destroy_process_group = lambda: time.sleep(3600)  # as PyTorch's hangs do\n"
+        "distributed.shutdown()\n"
+        "print('returned')\n"
+    )
+    before = time.time()
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the process group did not shut down within 1 s; exiting without it" in done.stdout
+    assert "returned" not in done.stdout
+    assert time.time() - before < 60
+
+
 def _logged_losses(run_dir: Path) -> list:
     path = run_dir / "metrics.jsonl"
     return logged(run_dir, "train/loss") if path.exists() else []
