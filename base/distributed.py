@@ -367,7 +367,7 @@ def shutdown() -> None:
     if dist.is_initialized():
         if torch.cuda.is_initialized():
             # CUDA graphs that captured collectives (compile's reduce-overhead under tp, pp or
-            # DDP) hold their communicators: destroying the group under them never returns.
+            # DDP) hold their communicators: destroying the group under them can hang.
             # Resetting compile frees the graphs.
             torch.compiler.reset()
         _within(SHUTDOWN_TIMEOUT_S, dist.destroy_process_group)
