@@ -11,7 +11,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -370,13 +369,13 @@ def shutdown() -> None:
             # DDP) hold their communicators: destroying the group under them can hang.
             # Resetting compile frees the graphs.
             torch.compiler.reset()
-        _within(SHUTDOWN_TIMEOUT_S, dist.destroy_process_group)
+        _destroy_process_group_within(SHUTDOWN_TIMEOUT_S)
     _CPU_GROUP, _PENDING_VOTE = None, None
 
 
-def _within(seconds: float, shut: Callable[[], object]) -> None:
-    """Calls `shut()`; if it has not returned after `seconds`, this process says so and exits
-    with status 0: `shutdown` comes after the run's results are written."""
+def _destroy_process_group_within(seconds: float) -> None:
+    """Destroys the process group; if that has not returned after `seconds`, this process says
+    so and exits with status 0: `shutdown` comes after the run's results are written."""
     returned = threading.Event()
 
     def exit_if_stuck() -> None:
@@ -390,7 +389,7 @@ def _within(seconds: float, shut: Callable[[], object]) -> None:
             os._exit(0)
 
     threading.Thread(target=exit_if_stuck, name="shutdown-watchdog", daemon=True).start()
-    shut()
+    dist.destroy_process_group()
     returned.set()
 
 
