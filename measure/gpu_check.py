@@ -23,11 +23,12 @@ skipped) every test that `pytest -m gpu --collect-only` collects here: a path le
 added since, would otherwise pass unseen. It then judges the ladder's rows as the one command
 does, writes the same check.json with the parts listed, and deletes the parts.
 
-A row passes when its tokens/s lie inside the accepted row's noise interval (the min–max of its
-repeats, widened to at least ±2%: repeats in one call agree far more closely than two hosts do)
-and its peak allocated memory within 2% of the accepted row's; faster or smaller passes and is
-reported. When every test and row passed, or with `--accept` (the tests must still pass and every
-row run), a new check.json records the commit, the environment, pytest's counts and the rows.
+A row passes when the min–max of its runs reaches into the accepted row's noise interval (the
+min–max of its repeats, widened to at least ±2%: repeats in one call agree far more closely than
+two hosts do) and its peak allocated memory is within 2% of the accepted row's; faster or smaller
+passes and is reported. When every test and row passed, or with `--accept` (the tests must still
+pass and every row run), a new check.json records the commit, the environment, pytest's counts
+and the rows.
 Prints one verdict line per row and one overall; exits 1 when a test failed or a row regressed.
 """
 
