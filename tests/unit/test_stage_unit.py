@@ -14,6 +14,7 @@ import opt
 from base.distributed import Distributed
 from helpers import ROOT, make_cfg, planned
 from model import GPT, GPTConfig
+from opt import tp
 from opt.opt_in_backward import InBackwardStep, StepInBackward
 from opt.stage import PHASES
 from recipe.guard import NonFiniteGuard
@@ -105,6 +106,28 @@ def test_the_step_in_backward_owns_its_step() -> None:
     assert all(torch.equal(a, p) for a, p in zip(after, model.parameters(), strict=True))
     step.optimizer_step(torch.tensor(float("nan")), norm)  # a bad loss: counted as bad
     assert int(guard.skipped) == 1
+
+
+def test_a_gpu_run_of_tp_is_told_how_to_replay_its_step_as_cuda_graphs(capsys) -> None:
+    """tp's step waits on the host on GPUs unless Inductor replays it as CUDA graphs: the run
+    says which overrides would, and says nothing where they are set or do not apply."""
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    on_gpus = Distributed(rank=0, local_rank=0, world_size=2, device=gpu)
+    opt.plan(make_cfg("+opt=[compile,tp]"), on_gpus)  # planning only: no GPU is touched
+    assert "opt.compile.mode=reduce-overhead replays it" in capsys.readouterr().out
+    opt.plan(make_cfg("+opt=[compile,tp]", "opt.compile.mode=reduce-overhead"), on_gpus)
+    assert "replays it" not in capsys.readouterr().out
+    compiled = planned(2, "+opt=[compile,tp]")
+    hint = tp.cuda_graphs_hint(compiled, "default", gpu)
+    assert hint and "opt.compile.mode=reduce-overhead" in hint and "+opt=compile" not in hint
+    eager = tp.cuda_graphs_hint(planned(2, "+opt=tp"), None, gpu)
+    assert eager and "+opt=compile opt.compile.mode=reduce-overhead" in eager
+    assert tp.cuda_graphs_hint(compiled, "reduce-overhead", gpu) is None
+    assert tp.cuda_graphs_hint(compiled, "max-autotune", gpu) is None
+    assert tp.cuda_graphs_hint(compiled, "default", cpu) is None
+    # Layouts where the graphs were not measured: with data parallelism or a pipeline.
+    assert tp.cuda_graphs_hint(planned(4, "+opt=[compile,tp]"), "default", gpu) is None
+    assert tp.cuda_graphs_hint(planned(4, "+opt=[compile,tp,pp]"), "default", gpu) is None
 
 
 def test_the_plan_describes_the_parallel_layout_once() -> None:
