@@ -292,15 +292,18 @@ def test_async_tp_fuses_the_gathers_and_trains_as_tp_does_on_two_gpus(
 def test_tp_replayed_as_cuda_graphs_trains_and_exits_on_two_gpus(tmp_path) -> None:
     """On 2 GPUs: compile's reduce-overhead under tp captures the collectives into CUDA graphs;
     the run trains as tp without the graphs does and its processes exit once it is done (the
-    process group is destroyed after the graphs are freed), not by the shutdown's time limit."""
+    process group is destroyed after the graphs are freed), not by the shutdown's time limit.
+    Only the run without graphs prints the hint that names the override."""
     run = ("train.py", *TINY, *RUN, "device=cuda", "train.batch_size=4",
            "+opt=[compile,amp,tp]", "opt.amp.dtype=bfloat16")  # fmt: skip
     graphs = "opt.compile.mode=reduce-overhead"
-    for output in (
-        torchrun_output(2, *run, graphs, f"hydra.run.dir={tmp_path / 'on'}", timeout=300),
-        torchrun_output(2, *run, f"hydra.run.dir={tmp_path / 'off'}", timeout=300),
-    ):
+    with_graphs = torchrun_output(2, *run, graphs, f"hydra.run.dir={tmp_path / 'on'}", timeout=300)
+    without = torchrun_output(2, *run, f"hydra.run.dir={tmp_path / 'off'}", timeout=300)
+    for output in (with_graphs, without):
         assert "did not shut down" not in output
+    hint = f"[opt] tp: its step waits on the host on GPUs; {graphs} replays it"
+    assert hint in without
+    assert hint not in with_graphs
     on, off = logged(tmp_path / "on", "train/loss"), logged(tmp_path / "off", "train/loss")
     assert len(on) == 8
     torch.testing.assert_close(on, off, rtol=2e-2, atol=0)
