@@ -67,6 +67,8 @@ from base.errors import ConfigError, Unusable
 from opt.stage import Context, Stage
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+# The modes whose compiled step Inductor replays as CUDA graphs.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 Scope = Literal["model", "block"]
 
 

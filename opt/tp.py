@@ -52,6 +52,7 @@ from base.distributed import Distributed, log, mesh_shape
 from base.errors import ConfigError
 from base.knobs import count
 from model import GPT, GPTConfig
+from opt.compile import CUDA_GRAPH_MODES
 from opt.stage import Context, Plan, Stage
 
 
@@ -402,10 +403,6 @@ def check_with_plan(knobs: Any, plan: Plan) -> None:
         )
 
 
-# Compile modes whose compiled step Inductor replays as CUDA graphs.
-GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
 def cuda_graphs_hint(plan: Plan, compile_mode: str | None, device: torch.device) -> str | None:
     """The line that tells a GPU run of plain tp (no pipeline, no data parallelism) how to
     replay its step as CUDA graphs, when it does not: without them its ranks wait on each
@@ -413,7 +410,7 @@ def cuda_graphs_hint(plan: Plan, compile_mode: str | None, device: torch.device)
     layout = plan.parallel
     if device.type != "cuda" or layout.tp != layout.world_size or layout.pp > 1:
         return None
-    if plan.compiled and compile_mode in GRAPH_MODES:
+    if plan.compiled and compile_mode in CUDA_GRAPH_MODES:
         return None
     missing = "opt.compile.mode=reduce-overhead" if plan.compiled else (
         "+opt=compile opt.compile.mode=reduce-overhead")  # fmt: skip
