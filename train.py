@@ -368,14 +368,16 @@ def final_samples(
 
 def report(summary: dict[str, Any], run_dir: Path, device: torch.device) -> str:
     """The run's last measurements (summary.json's numbers) and the command that draws them."""
-    val, speed, mfu, wall_s, memory = (
+    val, val_step, speed, mfu, wall_s, memory = (
         summary.get(key)
-        for key in ("val/loss", "perf/tokens_per_sec", "perf/mfu", "wall_s",
+        for key in ("val/loss", "val/loss_step", "perf/tokens_per_sec", "perf/mfu", "wall_s",
                     "mem/peak_allocated_gib")
     )  # fmt: skip
     on_cpu = f"n/a on a {device.type}" if device.type != "cuda" else None
+    # A run stopped between evaluations last measured its val loss steps ago (at step 0 perhaps).
+    older = f" (at step {val_step})" if val_step is not None and val_step != summary["step"] else ""
     return "\n".join([
-        f"[report] val loss {'not evaluated' if val is None else f'{val:.4f}'} | "
+        f"[report] val loss {'not evaluated' if val is None else f'{val:.4f}{older}'} | "
         f"{'no step measured' if speed is None else f'{speed:,.0f} tokens/s (median step)'} | "
         f"mfu {on_cpu or 'n/a: set perf.peak_tflops' if mfu is None else f'{mfu:.1f}%'}",
         f"[report] wall time {'n/a' if wall_s is None else f'{wall_s / 60:.1f} min'} | "

@@ -428,8 +428,9 @@ class MetricLogger:
         self.enabled, self.max_steps = enabled, max_steps
         self._origin: tuple[float, int] | None = None  # (time, step) of the first log, for the ETA
         self.latest: dict[str, float | None] = {}  # the last value of each metric, for the summary
+        self.latest_step: dict[str, int] = {}  # and the step it was logged at
         for row in history:
-            self.latest |= {k: v for k, v in row.items() if k != "step"}
+            self._remember({k: v for k, v in row.items() if k != "step"}, row["step"])
         self.run = None
         if not enabled:
             return
@@ -442,10 +443,14 @@ class MetricLogger:
     def wandb_id(self) -> str | None:
         return self.run.id if self.run is not None else None
 
+    def _remember(self, metrics: dict[str, float | None], step: int) -> None:
+        self.latest |= metrics
+        self.latest_step |= dict.fromkeys(metrics, step)
+
     def log(self, metrics: dict[str, float | None], step: int) -> None:
         if not self.enabled:
             return
-        self.latest |= metrics
+        self._remember(metrics, step)
         record = json_safe({"step": step, **metrics})
         self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self.jsonl.flush()
@@ -465,8 +470,10 @@ class MetricLogger:
         print(" | ".join(parts), flush=True)
 
     def finish(self, summary: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-        """Writes `summary.json`: the last value of every metric, updated with `summary`."""
-        summary = {**self.latest, **summary}
+        """Writes `summary.json`: the last value of every metric, updated with `summary`, and
+        `val/loss_step`, the step the last val loss was measured at (a stopped run's may be older
+        than its last step)."""
+        summary = {**self.latest, "val/loss_step": self.latest_step.get("val/loss"), **summary}
         if not self.enabled:
             return summary
         text = json.dumps(json_safe(summary), indent=2, allow_nan=False)

@@ -119,6 +119,22 @@ def test_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path, monkeypatch)
     assert losses("resumed") == losses("straight")  # bit for bit, steps 1..8
 
 
+def test_a_stopped_runs_report_says_when_its_val_loss_was_measured(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """Stopped at step 5, between evaluations: the report's val loss is step 4's and says so,
+    as summary.json does; the resumed run's, measured at its last step, carries no step."""
+    args = ("train.max_steps=8", "train.eval_interval=4", "sample.num_samples=0")
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpointing, "StopSignal", _stop_after(5))
+        stopped = tiny_run(tmp_path, *args, "wandb.mode=disabled")
+    assert (stopped["step"], stopped["val/loss_step"]) == (5, 4)
+    assert f"[report] val loss {stopped['val/loss']:.4f} (at step 4) | " in capsys.readouterr().out
+    resumed = train(make_cfg("train.resume=true"), tmp_path, overrides=["train.resume=true"])
+    assert (resumed["step"], resumed["val/loss_step"]) == (8, 8)
+    assert f"[report] val loss {resumed['val/loss']:.4f} | " in capsys.readouterr().out
+
+
 def test_a_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch) -> None:
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=16))
     optimizer = torch.optim.AdamW(model.parameters())
