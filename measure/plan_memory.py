@@ -17,7 +17,8 @@ Under +opt=pp the ranks differ: the prediction is the worst rank's, and says whi
 tensor parallelism, with and without checkpointing), keeping `train.batch_size` as the step's
 batch over all of them, and names the one to try first: the fastest measured layout of that
 model on N GPUs (the scaling ladder's results), else the first that fits of: no model split,
-then a pipeline, then tensor parallelism.
+then a pipeline, then tensor parallelism. A measured first names the layouts that rule puts
+before it and nobody measured: the measurement ranks only what was measured.
 
 The model of a step's memory (its moments, categories and what it leaves out) is
 measure/memory_model.py.
@@ -446,6 +447,14 @@ def describe(ranks: list[memory_model.Prediction], budget: float | None) -> str:
     return "\n".join(lines)
 
 
+def unmeasured_before(first: dict, fitting: list[dict]) -> list[str]:
+    """The layouts that fit, were never measured, and that the rule for when nothing is
+    measured puts before `first`, a measured one: measurement ranks only what was measured."""
+    if not first["tokens_per_sec"]:
+        return []
+    return [r["layout"] for r in fitting if not r["tokens_per_sec"] and r["order"] < first["order"]]
+
+
 def describe_layouts(found: list[dict], gpus: int, budget: float) -> str:
     """--fit gpus=N's answer: the layout to try first and its command, then every layout that
     fits with its command, those that do not and those that cannot run."""
@@ -462,6 +471,11 @@ def describe_layouts(found: list[dict], gpus: int, budget: float) -> str:
             else "none measured: no model split first, then a pipeline, then tp"
         )
         lines += [f"try first: {first['layout']} ({why})", f"    {first['command']}"]
+        if untried := unmeasured_before(first, fitting):
+            lines.append(
+                f"  not measured, and before it by the rule (no model split, then a pipeline, "
+                f"then tp): {', '.join(untried)}: measure them beside it, as any may be faster"
+            )
     for heading, rows in [
         ("fits:", fitting),
         ("does not fit:", [r for r in found if r.get("fits") is False]),

@@ -466,3 +466,10 @@ def test_fit_gpus_ranks_by_measured_tokens_per_second_where_measured(tmp_path, m
     assert [r["layout"] for r in found[:3]] == ["pp=2, 8 micro-batches (1f1b)", "FSDP", "DDP"]
     assert found[0]["tokens_per_sec"] == 2000.0 and found[0]["row"] == "gpu scaling/pp2"
     assert found[2]["tokens_per_sec"] is None
+    # The answer names the layouts the rule puts before the measured pipeline, never measured.
+    told = plan_memory.describe_layouts(found, gpus=2, budget=80).splitlines()
+    assert told[1].startswith("try first: pp=2, 8 micro-batches (1f1b) (the fastest measured")
+    assert told[3] == (
+        "  not measured, and before it by the rule (no model split, then a pipeline, then tp): "
+        "DDP, DDP + ac, FSDP + ac: measure them beside it, as any may be faster"
+    )
