@@ -373,7 +373,12 @@ def test_fsdp_float8_all_gather_on_two_gpus_resumes_in_one_process(tmp_path) -> 
         logged(tmp_path / "gather", "train/loss"),
         logged(tmp_path / "plain", "train/loss"),
     )
-    assert len(gather) == 20 and max(abs(a - b) for a, b in zip(gather, plain, strict=True)) < 0.02
+    gap = [abs(a - b) for a, b in zip(gather, plain, strict=True)]
+    # The two runs differ by the GPU's nondeterministic reductions only. Those differences stay
+    # near 1e-4 while the warming-up learning rate is small, then grow with it (two H200 pairs:
+    # at most 0.0013 through step 17, then up to 0.008; a third pair reached 0.026): the early
+    # steps judge the math.
+    assert len(gap) == 20 and max(gap[:15]) < 0.005 and max(gap) < 0.05, gap
     done = subprocess.run(
         [python(), "train.py", f"hydra.run.dir={tmp_path / 'gather'}", "train.resume=true",
          "~opt=fsdp", "~opt=float8", "train.batch_size=32", "train.max_steps=22"],
