@@ -71,6 +71,14 @@ def gpus_label(row: dict) -> str:
     return f"{nnodes} x {gpus // nnodes}" if nnodes > 1 else str(gpus)
 
 
+def efficiency_cell(row: dict, missing: str = "–") -> str:
+    """The per-GPU efficiency, marked where its 1-GPU reference ran in another call."""
+    if row.get("efficiency") is None:
+        return missing
+    cell = format(row["efficiency"], ".3f")
+    return cell + " (across calls)" if row.get("efficiency_across_calls") else cell
+
+
 def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence[dict] = ()) -> str:
     key = "tokens_per_sec" if ladder.focus == "speed" else "peak_allocated_gib"
     gain = "speed-up" if ladder.focus == "speed" else "peak memory"
@@ -111,7 +119,7 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
             row["what"] + (f" (cap {cap} GiB)" if (cap := row.get("memory_cap_gib")) else ""),
             *([gpus_label(row)] if scaling else []),
             _tokens_cell(row),
-            *([_fmt(row.get("efficiency"), ".3f")] if scaling else []),
+            *([efficiency_cell(row)] if scaling else []),
             _ratio(row, previous, key) if ladder.cumulative else "–",
             _ratio(row, baseline, key) + against,
             *([_ratio(row, baseline, "tokens_per_sec") + against] if speed_too else []),

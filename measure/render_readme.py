@@ -205,10 +205,11 @@ def xl_target(result: dict) -> str:
 
 def scaling(result: dict) -> str:
     """Every row of the scaling ladder that was measured: GPUs, tokens/s with their spread, and
-    the per-GPU efficiency against the 1-GPU row of the same call (stats.with_efficiency)."""
+    the per-GPU efficiency against the 1-GPU row of the same call where it ran there
+    (stats.with_efficiency)."""
     cells = []
     for row in result["steps"]:
-        efficiency = _num(row.get("efficiency"), ".3f")
+        efficiency = ladder_table.efficiency_cell(row, missing=MISSING)
         if row["status"] != "ok":
             efficiency = row["status"]
         cells.append([caption(row), ladder_table.gpus_label(row)])

@@ -205,7 +205,8 @@ def with_efficiency(rows: list[dict], segments: Sequence[dict] = ()) -> list[dic
     1-GPU row that ran; None where there is nothing to compare, also below a 1-GPU row that did
     not run (out of memory, say): the 1-GPU rows above it are another workload's. A row measured
     in a later call than that 1-GPU row is compared with its own call's anchor where the anchor
-    is that step (`measured_beside`): one machine's numbers."""
+    is that step (`measured_beside`): one machine's numbers; else `efficiency_across_calls`
+    says that the two ran on different machines (2-5% apart)."""
     anchors = anchors_by_call(segments)
     reference = None
     for row in rows:
@@ -219,6 +220,9 @@ def with_efficiency(rows: list[dict], segments: Sequence[dict] = ()) -> list[dic
             round(row["tokens_per_sec"] / (gpus * ref_tps), 4) if ran and ref_tps else None
         )
         row["efficiency_vs"] = reference["name"] if row["efficiency"] is not None else None
+        row["efficiency_across_calls"] = bool(
+            row["efficiency"] is not None and ref and not same_call(row, ref)
+        )
     return rows
 
 

@@ -347,6 +347,10 @@ def test_a_later_calls_efficiency_is_against_that_calls_own_one_gpu_run() -> Non
     done = stats.with_efficiency(rows, segments)
     assert [r["efficiency"] for r in done] == [1.0, 0.95, 0.8, 0.9]
     assert {r["efficiency_vs"] for r in done} == {"one_gpu"}
+    # c3 had no anchor: its ratio is against c1's machine, and its cell says so
+    assert [r["efficiency_across_calls"] for r in done] == [False, False, False, True]
+    cells = [ladder_table.efficiency_cell(r) for r in done]
+    assert cells == ["1.000", "0.950", "0.800", "0.900 (across calls)"]
 
 
 def _run_steps(tmp_path, steps: list[dict], timeout_s: int = 600) -> tuple[list[dict], Path]:
