@@ -332,7 +332,8 @@ def layout_of(cfg: DictConfig, nproc: int) -> tuple:
 
 def measured_layouts(model: str, gpus: int) -> dict[tuple, dict]:
     """The fastest measured row of each layout of `model` on `gpus` GPUs of one machine, from the
-    layout ladder's results (layout_of: the key)."""
+    layout ladder's results (layout_of: the key): its tokens/s, its name, and the sequences a
+    step it ran, which --fit's run may not share."""
     found: dict[tuple, dict] = {}
     for gpu, ladder, row in layout_rows():
         overrides = row_overrides(row)
@@ -342,11 +343,18 @@ def measured_layouts(model: str, gpus: int) -> dict[tuple, dict]:
         if f"model={model}" not in overrides:
             continue
         try:
-            key = layout_of(*compose(overrides)[:2])
+            cfg, nproc = compose(overrides)[:2]
+            key = layout_of(cfg, nproc)
         except ConfigError:  # a row of a stage or knob the recipe has since dropped
             continue
+        _, _, pp_degree, _, tp_degree, *_ = key
+        replicas = nproc // (pp_degree * tp_degree)
         if speed > found.get(key, {}).get("tokens_per_sec", 0):
-            found[key] = {"tokens_per_sec": speed, "row": f"{gpu} {ladder}/{row['name']}"}
+            found[key] = {
+                "tokens_per_sec": speed,
+                "row": f"{gpu} {ladder}/{row['name']}",
+                "sequences": cfg.train.batch_size * replicas,  # a step, over all its GPUs
+            }
     return found
 
 
@@ -420,7 +428,7 @@ def plan_layout(
     return entry | {
         "peak_gib": worst.peak_gib, "on_rank": worst.on_rank,
         "fits": worst.peak_gib * RESERVED_OVER_ALLOCATED <= budget_gib,
-        **measured.get(key, {"tokens_per_sec": None, "row": None}),
+        **measured.get(key, {"tokens_per_sec": None, "row": None, "sequences": None}),
         "command": shlex.join([*(launcher if gpus > 1 else ["python"]), "train.py", *args]),
     }  # fmt: skip
 
@@ -486,7 +494,12 @@ def describe_layouts(found: list[dict], gpus: int, budget: float) -> str:
             if "refused" in r:
                 lines.append(f"  {r['layout']}: {r['refused']}")
                 continue
-            speed = f", {r['tokens_per_sec']:,.0f} tokens/s measured" if r["tokens_per_sec"] else ""
+            speed = (
+                f", {r['tokens_per_sec']:,.0f} tokens/s measured at {r['sequences']} sequences "
+                "a step"
+                if r["tokens_per_sec"]
+                else ""
+            )
             lines.append(f"  {r['peak_gib']:6.2f} GiB  {r['layout']}{r['on_rank']}{speed}")
             lines += [f"    {r['command']}"] if r["fits"] else []
     return "\n".join(lines)

@@ -465,6 +465,7 @@ def test_fit_gpus_ranks_by_measured_tokens_per_second_where_measured(tmp_path, m
     found = plan_memory.fit_layouts([*medium, "+opt=[amp]"], gpus=2, budget_gib=80)
     assert [r["layout"] for r in found[:3]] == ["pp=2, 8 micro-batches (1f1b)", "FSDP", "DDP"]
     assert found[0]["tokens_per_sec"] == 2000.0 and found[0]["row"] == "gpu scaling/pp2"
+    assert found[1]["sequences"] == 16  # FSDP's 8 a GPU over its 2 GPUs
     assert found[2]["tokens_per_sec"] is None
     # The answer names the layouts the rule puts before the measured pipeline, never measured.
     told = plan_memory.describe_layouts(found, gpus=2, budget=80).splitlines()
@@ -473,3 +474,5 @@ def test_fit_gpus_ranks_by_measured_tokens_per_second_where_measured(tmp_path, m
         "  not measured, and before it by the rule (no model split, then a pipeline, then tp): "
         "DDP, DDP + ac, FSDP + ac: measure them beside it, as any may be faster"
     )
+    fsdp = " FSDP, 1,000 tokens/s measured at 16 sequences a step"
+    assert any(line.endswith(fsdp) for line in told)
