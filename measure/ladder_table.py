@@ -145,7 +145,8 @@ def markdown(ladder: DictConfig, rows: list[dict], env: dict, segments: Sequence
     if scaling:
         lines += [
             "Per-GPU efficiency: tokens/s / (GPUs x tokens/s of the nearest 1-GPU step above), "
-            "the same per-GPU batch on one GPU of this host; `a x b` GPUs: a torchrun agents "
+            "the same per-GPU batch on one GPU of this host (*across calls*: that step ran in "
+            "another call, on another machine); `a x b` GPUs: a torchrun agents "
             '("machines", c10d rendezvous on 127.0.0.1) of b GPUs each.'
         ]
     if repeats:
