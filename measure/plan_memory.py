@@ -322,19 +322,36 @@ def pipeline_microbatches(batch: int, degree: int) -> int | None:
     return max(pairs) if pairs else max(fitting, default=None)
 
 
-def layout_of(cfg: DictConfig, nproc: int) -> tuple:
+@dataclass(frozen=True)
+class LayoutKey:
     """What --fit tells layouts apart by: the model, the processes, the pipeline's degree and
     schedule, tp's degree, FSDP, checkpointing."""
+
+    model: str
+    nproc: int
+    pp_degree: int
+    pp_schedule: str
+    tp: int
+    sharded: str
+    ac: bool
+
+    @property
+    def replicas(self) -> int:
+        """The data-parallel ranks: each runs `train.batch_size` sequences a step."""
+        return self.nproc // (self.pp_degree * self.tp)
+
+
+def layout_of(cfg: DictConfig, nproc: int) -> LayoutKey:
     u = memory_model.plan_setup(cfg, nproc)
-    schedule = (u.pp.degree, u.pp.schedule) if u.pp is not None else (1, "")
-    return (cfg.model.name, nproc, *schedule, u.tp, u.sharded, u.ac is not None)
+    degree, schedule = (u.pp.degree, u.pp.schedule) if u.pp is not None else (1, "")
+    return LayoutKey(cfg.model.name, nproc, degree, schedule, u.tp, u.sharded, u.ac is not None)
 
 
-def measured_layouts(model: str, gpus: int) -> dict[tuple, dict]:
+def measured_layouts(model: str, gpus: int) -> dict[LayoutKey, dict]:
     """The fastest measured row of each layout of `model` on `gpus` GPUs of one machine, from the
     layout ladder's results (layout_of: the key): its tokens/s, its name, and the sequences a
     step it ran, which --fit's run may not share."""
-    found: dict[tuple, dict] = {}
+    found: dict[LayoutKey, dict] = {}
     for gpu, ladder, row in layout_rows():
         overrides = row_overrides(row)
         speed = row.get("tokens_per_sec")
@@ -347,13 +364,11 @@ def measured_layouts(model: str, gpus: int) -> dict[tuple, dict]:
             key = layout_of(cfg, nproc)
         except ConfigError:  # a row of a stage or knob the recipe has since dropped
             continue
-        _, _, pp_degree, _, tp_degree, *_ = key
-        replicas = nproc // (pp_degree * tp_degree)
         if speed > found.get(key, {}).get("tokens_per_sec", 0):
             found[key] = {
                 "tokens_per_sec": speed,
                 "row": f"{gpu} {ladder}/{row['name']}",
-                "sequences": cfg.train.batch_size * replicas,  # a step, over all its GPUs
+                "sequences": cfg.train.batch_size * key.replicas,  # a step, over all its GPUs
             }
     return found
 
@@ -398,7 +413,7 @@ def plan_layout(
     batch: int,
     gpus: int,
     budget_gib: float,
-    measured: dict[tuple, dict],
+    measured: dict[LayoutKey, dict],
 ) -> dict:
     """`layout` of the run of `base` and `stages` with `batch` sequences a step over `gpus`
     GPUs: its worst rank's peak, whether it fits `budget_gib`, its measured tokens/s
